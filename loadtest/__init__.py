@@ -1,0 +1,1 @@
+"""tunegate load replay: Locust users and shapes that replay captured request distributions."""

@@ -1,0 +1,3 @@
+"""tunegate: evidence-gated release of tuned inference engines (shared core)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,74 @@
+"""pytest fixtures for a real embedded Triton (registered as the `tunegate` pytest plugin).
+
+    def test_x(triton_factory):
+        server = triton_factory(repo_path, models=["minilm"])
+        ...  # stopped at the end of the test
+
+`demo_repository` is a private copy of model_repository/ with the exported MiniLM linked in, so
+tests that load, promote or write versions never touch the committed repository.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tunegate.triton import EmbeddedTriton, TritonOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def triton_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., EmbeddedTriton]]:
+    servers: list[EmbeddedTriton] = []
+
+    def start(repository: Path, models: Sequence[str] = (), **kwargs: Any) -> EmbeddedTriton:
+        server = EmbeddedTriton(
+            TritonOptions(repository=Path(repository), models=tuple(models), **kwargs),
+            workdir=tmp_path_factory.mktemp("triton"),
+        )
+        server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def minilm_onnx_path() -> Path:
+    from tunegate import models
+
+    return models.minilm_onnx()
+
+
+def copy_repository(dest: Path, models_: Sequence[str] | None = None, onnx: Path | None = None) -> Path:
+    src = ROOT / "model_repository"
+    for model_dir in sorted(src.iterdir()):
+        if not model_dir.is_dir() or (models_ is not None and model_dir.name not in models_):
+            continue
+        shutil.copytree(model_dir, dest / model_dir.name, ignore=shutil.ignore_patterns("*.onnx", "__pycache__"))
+        if onnx is not None and (dest / model_dir.name / "1" / "model.py").exists():
+            os.symlink(onnx, dest / model_dir.name / "1" / "model.onnx")
+    return dest
+
+
+@pytest.fixture
+def demo_repository(tmp_path: Path, minilm_onnx_path: Path) -> Path:
+    return copy_repository(tmp_path / "repo", ["minilm"], minilm_onnx_path)
+
+
+@pytest.fixture(scope="session")
+def demo_triton(tmp_path_factory: pytest.TempPathFactory, minilm_onnx_path: Path) -> Iterator[EmbeddedTriton]:
+    """One read-only Triton serving demo v1 for the whole session (don't load or unload through it)."""
+    repo = copy_repository(tmp_path_factory.mktemp("demo-repo"), ["minilm"], minilm_onnx_path)
+    server = EmbeddedTriton(TritonOptions(repository=repo, models=("minilm",)), workdir=tmp_path_factory.mktemp("t"))
+    server.start()
+    yield server
+    server.stop()
