@@ -214,3 +214,10 @@ class CaptureWriter:
             if self._fh is not None:
                 self._fh.close()
                 self._fh = None
+
+
+def write_capture_file(path: Path, records: list[CaptureRecord]) -> None:
+    """Write a whole capture file atomically (generators, tests); live capture uses CaptureWriter."""
+    from tunegate.records import atomic_write_text
+
+    atomic_write_text(Path(path), "".join(json.dumps(r.to_json(), separators=(",", ":")) + "\n" for r in records))

@@ -8,8 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
-err = Console(stderr=True)
-out = Console()
+err = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
 
 
 def emit_json(obj: Any) -> None:

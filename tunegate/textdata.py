@@ -74,6 +74,7 @@ class Tokenizer:
             tokenizer_json = minilm_source_dir() / "tokenizer.json"
         self._tok = _Tok.from_file(str(tokenizer_json))
         self._tok.enable_truncation(max_length=max_length)
+        self._tok.no_padding()  # tokenizer.json pads to 128; we pad each batch to its longest member
         self.max_length = max_length
 
     def __call__(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
