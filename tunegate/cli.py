@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "tunegate.cmd_model",
     "tunegate.cmd_triton",
     "tunegate.cmd_demo",
+    "tuner.cli",
     "loadtest.cli",
 )
 

@@ -1,0 +1,103 @@
+"""The search's HTML report (next to the cache): the route table and a latency-vs-accuracy scatter per output.
+
+Each scatter point is a route (its objective latency against its gate value for that output); the
+gate's threshold is drawn as a line, so a rejected-but-fast route sits visibly on the wrong side.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tunegate.records import atomic_write_text
+from tunegate.tolerance import ToleranceSpec
+
+COLORS = {"passed": "#2a9d3f", "rejected": "#d62828", "failed": "#777777", "skipped": "#bbbbbb"}
+
+
+def _scatter(routes: Sequence[Mapping[str, Any]], tolerance: ToleranceSpec, baseline_ms: float | None, metric: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outputs = sorted({o for r in routes for o in (r.get("accuracy") or {}).get("outputs", {})})
+    outputs = [o for o in outputs if tolerance.for_output(o) is not None] or outputs[:1]
+    if not outputs:
+        return ""
+    fig, axes = plt.subplots(1, len(outputs), figsize=(6.5 * len(outputs), 4.5), squeeze=False)
+    for ax, out in zip(axes[0], outputs, strict=True):
+        tol = tolerance.for_output(out)
+        for status, color in COLORS.items():
+            pts = [
+                (r["objective_ms"], r["accuracy"]["outputs"][out]["value"])
+                for r in routes
+                if r.get("status") == status and r.get("objective_ms") is not None and out in (r.get("accuracy") or {}).get("outputs", {})
+            ]
+            if pts:
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=color, label=status, s=36, edgecolors="black", linewidths=0.4)
+        if tol is not None:
+            ax.axhline(tol.threshold, color="#d62828", linestyle="--", linewidth=1, label=f"gate: {tol.describe()}")
+        if baseline_ms is not None:
+            ax.axvline(baseline_ms, color="#1d3557", linestyle=":", linewidth=1, label="baseline latency")
+        ax.set_xlabel(f"objective latency ({metric}, ms)")
+        ax.set_ylabel(f"{tol.statistic if tol else ''} {tol.metric if tol else 'value'} of {out}")
+        ax.set_title(out)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return html.escape(str(v))
+
+
+def write_report(path: Path, summary: Mapping[str, Any], routes: Sequence[Mapping[str, Any]], tolerance: ToleranceSpec) -> Path:
+    baseline = summary.get("baseline") or {}
+    png = _scatter(routes, tolerance, baseline.get("objective_ms"), str(summary.get("objective", "")))
+    rows = []
+    for r in sorted(routes, key=lambda r: (r.get("status") != "passed", r.get("objective_ms") or 1e18)):
+        acc = (r.get("accuracy") or {}).get("summary") or r.get("error") or ""
+        rows.append(
+            "<tr>"
+            f"<td><code>{html.escape(r['route'])}</code></td><td>{html.escape(r.get('stage', ''))}</td>"
+            f"<td style='color:{COLORS.get(r.get('status', ''), '#000')}'>{html.escape(r.get('status', ''))}</td>"
+            f"<td>{_fmt(r.get('objective_ms'))}</td><td>{_fmt(r.get('speedup'))}</td>"
+            f"<td>{_fmt(r.get('build_seconds'), 1)}</td><td>{html.escape(str(acc))[:400]}</td>"
+            "</tr>"
+        )
+    winner = summary.get("winner")
+    verdict = (
+        f"<p><b>Winner:</b> <code>{html.escape(winner)}</code> written as version {summary.get('version')}</p>"
+        if winner
+        else f"<p><b>No winner:</b> {html.escape(str(summary.get('reason', '')))}</p>"
+    )
+    doc = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>tunegate tune: {html.escape(str(summary.get('model')))}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px}}</style>
+</head><body>
+<h1>tunegate tune — {html.escape(str(summary.get('model')))}</h1>
+<p>spec <code>{html.escape(str(summary.get('spec')))}</code> (digest {html.escape(str(summary.get('spec_digest', ''))[:12])}),
+strategy <b>{html.escape(str(summary.get('strategy')))}</b>, objective {html.escape(str(summary.get('objective')))},
+baseline version {_fmt(baseline.get('version'))} at {_fmt(baseline.get('objective_ms'))} ms,
+gate: {html.escape('; '.join(t.describe() for t in tolerance.tolerances))}</p>
+{verdict}
+{'<img alt="latency vs accuracy" src="data:image/png;base64,' + png + '">' if png else ''}
+<table><tr><th>route</th><th>stage</th><th>status</th><th>objective ms</th><th>speedup</th><th>build s</th><th>accuracy / error</th></tr>
+{''.join(rows)}
+</table></body></html>
+"""
+    atomic_write_text(path, doc)
+    return path

@@ -1,0 +1,471 @@
+"""The search: routes -> build (child process) -> gate -> benchmark -> finalists through Triton -> winner.
+
+`tune(spec)` is the Python API (the CLI and the demo call it). Every finished route is a line in
+the cache, so `resume=True` after a kill skips it; the time budget stops the search between (or
+during) builds and keeps what finished. "No route beats the baseline within tolerance" is a valid
+result: nothing is written and `TuneResult.winner` is None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tuner import gate
+from tuner.bench import bench_paired, bench_runner, objective, speedup
+from tuner.builders import Artifact, BuildContext, Builder, BuildError, get_builder
+from tuner.builders.base import Runner, save_batches
+from tuner.builders.ort import ort_runner
+from tuner.builders.worker import BuildTimeout, run_build
+from tuner.cache import SearchCache
+from tuner.inputs import InputSet, make_inputs
+from tuner.release import build_release, tool_versions, write_release
+from tuner.report import write_report
+from tuner.routes import Route, fast_routes, full_routes, mixed_routes, parse_space, route_string
+from tuner.spec import STRATEGIES, TuneSpec
+from tunegate.repository import parse_version_policy, versions
+
+LOG = logging.getLogger(__name__)
+
+
+class TuneError(RuntimeError):
+    """The search cannot run (backend missing, no baseline, bad repository); nothing was written."""
+
+
+class _BudgetSpent(Exception):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteResult:
+    route: str
+    knobs: dict[str, str]
+    stage: str
+    status: str  # passed | rejected | failed | skipped
+    error: str | None = None
+    build_seconds: float | None = None
+    objective_ms: float | None = None
+    baseline_objective_ms: float | None = None  # the paired baseline runs'
+    speedup: float | None = None
+    latency: dict[str, Any] | None = None
+    accuracy: dict[str, Any] | None = None
+    artifact: str | None = None
+    reused: bool = False
+
+    def record(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("reused")
+        return {"kind": "route", **d}
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> RouteResult:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in rec.items() if k in names}, reused=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    model: str
+    strategy: str
+    winner: RouteResult | None
+    version: int | None
+    version_path: Path | None
+    report_path: Path
+    cache_path: Path
+    routes: list[RouteResult]
+    baseline: dict[str, Any]
+    e2e: dict[str, Any]
+    reason: str
+    stopped_by_budget: bool
+    release: dict[str, Any] | None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "strategy": self.strategy,
+            "winner": self.winner.route if self.winner else None,
+            "version": self.version,
+            "version_path": str(self.version_path) if self.version_path else None,
+            "speedup": self.winner.speedup if self.winner else None,
+            "reason": self.reason,
+            "stopped_by_budget": self.stopped_by_budget,
+            "report": str(self.report_path),
+            "cache": str(self.cache_path),
+            "baseline": self.baseline,
+            "e2e": self.e2e,
+            "routes": [dataclasses.asdict(r) for r in self.routes],
+            "counts": {s: sum(r.status == s for r in self.routes) for s in ("passed", "rejected", "failed", "skipped")},
+        }
+
+
+def route_id(route: str) -> str:
+    return hashlib.sha256(route.encode()).hexdigest()[:12]
+
+
+def find_baseline(spec: TuneSpec) -> tuple[int, Path]:
+    """The version the model serves now (highest in config.pbtxt's specific policy, else the highest)."""
+    model_dir = spec.model.repository / spec.model.name
+    config = model_dir / "config.pbtxt"
+    if not config.is_file():
+        raise TuneError(f"{config} does not exist: the model needs a baseline version in the repository")
+    served = parse_version_policy(config.read_text()) or tuple(versions(model_dir))
+    present = [v for v in served if (model_dir / str(v)).is_dir()]
+    if not present:
+        raise TuneError(f"{model_dir}: no baseline version directory (served: {list(served)})")
+    v = max(present)
+    if not (model_dir / str(v) / "runtime.json").is_file():
+        raise TuneError(f"{model_dir / str(v)}: no runtime.json; the tuner measures python-onnx baselines in process")
+    return v, model_dir / str(v)
+
+
+def plan(spec: TuneSpec, strategy: str | None = None) -> dict[str, Any]:
+    """What a search would run (no builds): knobs, the space and the routes of the first phase."""
+    strategy = strategy or spec.search.strategy
+    builder = get_builder(spec.search.backend)
+    ok, why = builder.available()
+    space = parse_space(builder.knobs, spec.search.routes)
+    first = fast_routes(builder.knobs, space) if strategy in ("fast", "mixed") else full_routes(builder.knobs, space)
+    return {
+        "backend": builder.name,
+        "available": ok,
+        "why": why,
+        "strategy": strategy,
+        "knobs": builder.describe_knobs(),
+        "space": {k: list(v) for k, v in space.items()},
+        "routes": [route_string(r) for r in first],
+        "full_size": len(full_routes(builder.knobs, space)),
+        "note": {
+            "fast": "base route plus one knob changed at a time",
+            "full": "Cartesian product of the space",
+            "mixed": "these, then the product of the knob values that helped",
+            "halving": "all, cheap benchmark; then the best fraction benchmarked longer; finalists through Triton",
+        }[strategy],
+    }
+
+
+class _Search:
+    """One run of tune(): holds the inputs, reference outputs, cache and deadline."""
+
+    def __init__(self, spec: TuneSpec, builder: Builder, cache: SearchCache, inputs: InputSet,
+                 reference: gate.Outputs, baseline_runner: Runner, deadline: float,
+                 reporter: _Reporter) -> None:
+        self.spec, self.builder, self.cache, self.inputs = spec, builder, cache, inputs
+        self.reference, self.baseline_runner, self.deadline = reference, baseline_runner, deadline
+        self.reporter = reporter
+        self.builds = spec.workdir / "builds"
+        calib = spec.workdir / "calibration.npz"
+        self.ctx = BuildContext(options=spec.search.options, calibration=calib)
+        self.stopped = False
+
+    def build(self, route: Route, dest: Path) -> tuple[Artifact, float]:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise _BudgetSpent
+        timeout = min(self.spec.search.build_timeout_s, remaining)
+        try:
+            return run_build(self.spec.search.backend, self.spec.model.source, dict(route), dest, self.ctx, timeout_s=timeout)
+        except BuildTimeout:
+            if timeout < self.spec.search.build_timeout_s:
+                raise _BudgetSpent from None  # the budget ran out mid-build: not a verdict on the route
+            raise
+
+    def evaluate(self, route: Route, stage: str, repeats: int) -> RouteResult:
+        key = route_string(route)
+        cached = self.cache.find("route", key, stage)
+        if cached is not None:
+            return RouteResult.from_record(cached)
+        if time.monotonic() >= self.deadline:
+            raise _BudgetSpent
+        self.reporter.route(key)
+        knobs = dict(route)
+        problem = self.builder.route_problem(knobs)
+        if problem:
+            return self._done(RouteResult(key, knobs, stage, "skipped", error=problem))
+        dest = self.builds / route_id(key)
+        build_s: float | None = None
+        try:
+            earlier = self.cache.find("route", key)
+            if earlier is not None and earlier.get("artifact") and (dest / "artifact.json").exists():
+                artifact, build_s = Artifact.load(dest), earlier.get("build_seconds")
+            else:
+                artifact, build_s = self.build(route, dest)
+        except BuildError as exc:
+            return self._done(RouteResult(key, knobs, stage, "failed", error=str(exc)))
+        try:
+            runner = self.builder.load(artifact)
+            outputs = gate.run_all(runner, self.inputs)
+        except Exception as exc:  # noqa: BLE001 - a route whose artifact will not run fails alone
+            return self._done(RouteResult(key, knobs, stage, "failed", error=f"run failed: {exc}", build_seconds=build_s))
+        evidence = gate.evidence(gate.judge(self.reference, outputs, self.spec.tolerance), self.inputs)
+        b = self.spec.bench
+        latency, base_latency = bench_paired(runner, self.baseline_runner, self.inputs.bench, warmup=b.warmup,
+                                             repeats=repeats, bootstrap=b.bootstrap)
+        obj = objective(latency, self.inputs.bench, self.spec.objective)
+        base_obj = objective(base_latency, self.inputs.bench, self.spec.objective)
+        status = "passed" if evidence["passed"] else "rejected"
+        return self._done(RouteResult(key, knobs, stage, status, None, build_s, obj, base_obj, speedup(base_obj, obj),
+                                      latency, evidence, str(dest)))
+
+    def _done(self, result: RouteResult) -> RouteResult:
+        self.cache.append(result.record())
+        return result
+
+    def run_all(self, routes: list[Route], stage: str, repeats: int) -> list[RouteResult]:
+        self.reporter.plan(len(routes))
+        results = []
+        for r in routes:
+            if self.stopped:
+                break
+            try:
+                result = self.evaluate(r, stage, repeats)
+            except _BudgetSpent:
+                self.stopped = True
+                self.reporter.note("[yellow]the time budget is spent: stopping, keeping what finished[/]")
+                break
+            self.reporter.done(result)
+            results.append(result)
+        return results
+
+
+def _winners(results: list[RouteResult], min_speedup: float) -> list[RouteResult]:
+    ok = [r for r in results if r.status == "passed" and r.speedup is not None and r.speedup >= min_speedup]
+    return sorted(ok, key=lambda r: r.objective_ms or math.inf)
+
+
+def _strategy(search: _Search, strategy: str) -> list[RouteResult]:
+    spec, knobs = search.spec, search.builder.knobs
+    space = parse_space(knobs, spec.search.routes)
+    reps = spec.bench.repeats
+    if strategy == "full":
+        return search.run_all(full_routes(knobs, space), "bench", reps)
+    if strategy in ("fast", "mixed"):
+        first = search.run_all(fast_routes(knobs, space), "bench", reps)
+        if strategy == "fast" or search.stopped or not first:
+            return first
+        helped = [
+            tuple(r.knobs.items()) for r in first[1:]
+            if r.status == "passed" and r.speedup is not None and r.speedup >= spec.objective.min_speedup
+        ]
+        done = {r.route for r in first}
+        more = [r for r in mixed_routes(knobs, space, helped) if route_string(r) not in done]
+        return first + search.run_all(more, "bench", reps)
+    # halving: a cheap round over everything, then the best fraction again with the full repeats
+    cheap = search.run_all(full_routes(knobs, space), "cheap", spec.bench.cheap_repeats)
+    ranked = sorted((r for r in cheap if r.status == "passed"), key=lambda r: r.objective_ms or math.inf)
+    keep = ranked[: max(1, math.ceil(len(ranked) * spec.search.halving_keep))] if ranked else []
+    by_key = {route_string(r): r for r in full_routes(knobs, space)}
+    second = search.run_all([by_key[r.route] for r in keep], "full", reps)
+    seen = {r.route for r in second}
+    return second + [r for r in cheap if r.route not in seen]
+
+
+def tune(
+    spec: TuneSpec,
+    *,
+    strategy: str | None = None,
+    budget_s: float | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    write: bool = True,
+) -> TuneResult:
+    """Search `spec`'s routes and write the winner (unless `write=False`); see the module docstring."""
+    t_start = time.monotonic()
+    strategy = strategy or spec.search.strategy
+    if strategy not in STRATEGIES:
+        raise TuneError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    budget = budget_s if budget_s is not None else spec.search.budget_s
+    builder = get_builder(spec.search.backend)
+    ok, why = builder.available()
+    if not ok:
+        raise TuneError(f"backend {builder.name} cannot run here: {why}")
+    parse_space(builder.knobs, spec.search.routes)  # a bad expression fails before any work
+    baseline_version, baseline_dir = find_baseline(spec)
+    spec.workdir.mkdir(parents=True, exist_ok=True)
+    versions_info = tool_versions(builder)
+    header = {"spec_digest": spec.digest, "spec_path": str(spec.path), "model": spec.model.name,
+              "backend": builder.name, "strategy": strategy, "budget_s": budget, "versions": versions_info}
+    cache = SearchCache.open(spec.workdir / "cache.jsonl", header, resume=resume)
+
+    with _Reporter(progress) as rep:
+        rep.note("preparing inputs and the reference")
+        inputs = make_inputs(spec.inputs, spec.model.source, spec.model.name)
+        save_batches(spec.workdir / "calibration.npz", [dict(b.feeds) for b in inputs.gate])
+        ref_runtime = {"session": {"graph_optimization_level": spec.reference.graph_optimization_level,
+                                   "intra_op_num_threads": spec.reference.intra_op_num_threads},
+                       "config_entries": {"session.intra_op.allow_spinning": "0"}}
+        reference = gate.run_all(ort_runner(spec.model.source, ref_runtime), inputs)
+
+        base_runtime = json.loads((baseline_dir / "runtime.json").read_text())
+        base_runner = ort_runner(baseline_dir / base_runtime.get("artifact", "model.onnx"), base_runtime)
+        base_outputs = gate.run_all(base_runner, inputs)
+        base_rec = cache.find("baseline")
+        if base_rec is None:
+            rep.note(f"benchmarking the baseline (version {baseline_version})")
+            b = spec.bench
+            lat = bench_runner(base_runner, inputs.bench, warmup=b.warmup, repeats=b.repeats, bootstrap=b.bootstrap)
+            base_rec = {"kind": "baseline", "version": baseline_version, "latency": lat,
+                        "objective_ms": objective(lat, inputs.bench, spec.objective),
+                        "accuracy": gate.evidence(gate.judge(reference, base_outputs, spec.tolerance), inputs)}
+            cache.append(base_rec)
+        baseline = {k: base_rec[k] for k in ("version", "objective_ms", "latency", "accuracy")}
+
+        search = _Search(spec, builder, cache, inputs, reference, base_runner, t_start + budget, rep)
+        results = _strategy(search, strategy)
+        finalists = _winners(results, spec.objective.min_speedup)[: spec.search.finalists]
+
+        e2e: dict[str, Any] = {}
+        if finalists and spec.bench.e2e:
+            rep.note(f"serving {len(finalists)} finalist(s) and the baseline through the embedded Triton")
+            e2e = _e2e(spec, builder, baseline_dir, finalists, base_outputs, inputs)
+            finalists = [f for f in finalists if e2e.get(f.route, {}).get("served_passed", True)]
+
+        winner = finalists[0] if finalists else None
+        reason = _reason(results, winner, search.stopped, spec)
+        version = version_path = release = None
+        if winner is not None and write:
+            rep.note(f"rebuilding the winner once and writing it: {winner.route}")
+            version, version_path, release = _write_winner(spec, builder, winner, baseline, e2e, inputs, versions_info)
+    report = write_report(
+        spec.workdir / "report.html",
+        {"model": spec.model.name, "spec": str(spec.path), "spec_digest": spec.digest, "strategy": strategy,
+         "objective": spec.objective.metric, "baseline": baseline, "winner": winner.route if winner else None,
+         "version": version, "reason": reason},
+        [dataclasses.asdict(r) for r in results],
+        spec.tolerance,
+    )
+    return TuneResult(spec.model.name, strategy, winner, version, version_path, report, cache.path, results,
+                      baseline, e2e, reason, search.stopped, release)
+
+
+def _reason(results: list[RouteResult], winner: RouteResult | None, stopped: bool, spec: TuneSpec) -> str:
+    budget = " (the time budget stopped the search)" if stopped else ""
+    if winner is not None:
+        return f"{winner.route} is {winner.speedup:.2f}x the baseline within tolerance{budget}"
+    passed = [r for r in results if r.status == "passed"]
+    if not results:
+        return f"no route finished{budget}"
+    if not passed:
+        return f"no route passed the accuracy gate ({len(results)} tried){budget}"
+    best = max(r.speedup or 0.0 for r in passed)
+    return (f"no route beats the baseline within tolerance: best passing route is {best:.2f}x, "
+            f"needs >= {spec.objective.min_speedup:g}x{budget}")
+
+
+def _load_artifact(route: RouteResult) -> Artifact:
+    if not route.artifact:
+        raise TuneError(f"{route.route}: no artifact recorded")
+    return Artifact.load(Path(route.artifact))
+
+
+def _e2e(spec: TuneSpec, builder: Builder, baseline_dir: Path, finalists: list[RouteResult],
+         base_outputs: gate.Outputs, inputs: InputSet) -> dict[str, Any]:
+    from tuner.e2e import run_e2e
+
+    in_process = {"baseline": base_outputs}
+    files = []
+    for f in finalists:
+        art = _load_artifact(f)
+        in_process[f.route] = gate.run_all(builder.load(art), inputs)
+        files.append((f.route, builder.version_files(art)))
+    results = run_e2e(model=spec.model.name, repository=spec.model.repository, baseline_dir=baseline_dir,
+                      finalists=files, in_process=in_process, inputs=inputs, workdir=spec.workdir,
+                      concurrency=spec.bench.e2e_concurrency, requests=spec.bench.e2e_requests,
+                      bootstrap=spec.bench.bootstrap)
+    base_p50 = results["baseline"]["latency"]["p50_ms"]
+    for route, r in results.items():
+        served = r.pop("served")
+        r["served_passed"] = gate.judge(in_process[route], served, spec.tolerance).passed
+        r["speedup_p50"] = base_p50 / r["latency"]["p50_ms"] if r["latency"]["p50_ms"] > 0 else 0.0
+    return results
+
+
+def _write_winner(spec: TuneSpec, builder: Builder, winner: RouteResult, baseline: dict[str, Any],
+                  e2e: dict[str, Any], inputs: InputSet, versions_info: dict[str, Any]
+                  ) -> tuple[int, Path, dict[str, Any]]:
+    artifact = _load_artifact(winner)
+    outputs = gate.run_all(builder.load(artifact), inputs)
+    rebuild_dir = spec.workdir / "rebuild" / route_id(winner.route)
+    try:
+        again, _ = run_build(spec.search.backend, spec.model.source, winner.knobs, rebuild_dir,
+                             BuildContext(spec.search.options, spec.workdir / "calibration.npz"),
+                             timeout_s=spec.search.build_timeout_s)
+        identical: bool | None = gate.identical(outputs, gate.run_all(builder.load(again), inputs))
+    except BuildError as exc:
+        LOG.warning("rebuilding the winner failed: %s", exc)
+        identical = None
+    latency = {
+        "objective": spec.objective.metric,
+        "batch_sizes": list(spec.objective.batch_sizes),
+        "candidate": {"objective_ms": winner.objective_ms, "per_shape": winner.latency},
+        # timed alternately with the candidate (the speedup's denominator) ...
+        "baseline": {"version": baseline["version"], "objective_ms": winner.baseline_objective_ms},
+        # ... and alone, once, at the start of the search
+        "baseline_alone": {"objective_ms": baseline["objective_ms"], "per_shape": baseline["latency"]},
+        "speedup": winner.speedup,
+    }
+    if winner.route in e2e:
+        latency["triton"] = {"candidate": e2e[winner.route], "baseline": e2e.get("baseline"),
+                             "speedup_p50": e2e[winner.route].get("speedup_p50")}
+    accuracy = dict((winner.accuracy or {}).get("outputs", {}))
+    release = build_release(
+        spec=spec, route=winner.route, knobs=winner.knobs, artifact=artifact, accuracy=accuracy, latency=latency,
+        baseline_version=int(baseline["version"]), rebuild_identical=bool(identical) if identical is not None else False,
+        versions=versions_info, build_seconds=float(winner.build_seconds or 0.0), inputs_digest=inputs.digest,
+    )
+    release["inputs"] = {"gate_batches": [b.label for b in inputs.gate], "bench_shapes": [s.key for s in inputs.bench]}
+    if identical is None:
+        release["rebuild_error"] = "the rebuild failed; see the log"
+    version, path = write_release(spec, builder, artifact, release)
+    return version, path, release
+
+
+class _Reporter:
+    """Progress on stderr: a rich bar over the routes planned so far, plus timestamped notes."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _Reporter:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            from tunegate.console import err
+
+            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                      MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=False)
+            self._progress.start()
+            self._task = self._progress.add_task("routes", total=0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def note(self, msg: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {msg}")
+
+    def plan(self, n: int) -> None:
+        if self._progress is not None:
+            total = self._progress.tasks[0].total or 0
+            self._progress.update(self._task, total=total + n)
+
+    def route(self, key: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, description=key[:70])
+
+    def done(self, result: RouteResult) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task)
+            spd = f" {result.speedup:.2f}x" if result.speedup is not None else ""
+            color = {"passed": "green", "rejected": "red"}.get(result.status, "yellow")
+            self.note(f"[{color}]{result.status}[/]{spd} {result.route}" + (" (cached)" if result.reused else ""))
