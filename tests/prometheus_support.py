@@ -65,7 +65,8 @@ def prometheus_binaries() -> tuple[str, str]:
     if prom and tool:
         return prom, tool
     pytest.skip(
-        "Prometheus is not installed (Debian package `prometheus`: apt-get install prometheus) and could not be "
+        "Prometheus is not installed (Debian package `prometheus`: apt-get install prometheus) "
+        "and could not be "
         f"installed here: {_INSTALL_TRIED[0] or 'installed but not on PATH'}"
     )
 
@@ -87,7 +88,7 @@ def contract_series() -> dict[str, frozenset[str]]:
     for metric in vars(metrics).values():
         if not isinstance(metric, MetricWrapperBase):
             continue
-        labels = frozenset(metric._labelnames)  # noqa: SLF001 - prometheus_client has no public accessor
+        labels = frozenset(metric._labelnames)
         for family in metric.describe():
             for suffix in suffixes[family.type]:
                 out[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
@@ -158,10 +159,12 @@ class PrometheusServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as resp,
+            ):
+                if resp.status == 200:
+                    return
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"prometheus was not ready after {timeout_s:.0f}s:\n{self.log_tail()}")

@@ -81,9 +81,14 @@ def docker_compose() -> list[str]:
     docker = shutil.which("docker")
     if docker is None:
         pytest.skip("no docker client on PATH; the structural checks below cover the compose file")
-    probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, timeout=30, check=False)
+    probe = subprocess.run(
+        [docker, "compose", "version"], capture_output=True, text=True, timeout=30, check=False
+    )
     if probe.returncode != 0:
-        pytest.skip(f"the docker compose plugin is not installed ({(probe.stderr.strip().splitlines() or [''])[0][:120]}); structural checks only")
+        first_line = (probe.stderr.strip().splitlines() or [""])[0]
+        pytest.skip(
+            f"the docker compose plugin is not installed ({first_line[:120]}); structural checks only"
+        )
     return [docker, "compose", "-f", str(COMPOSE_FILE), "-f", str(GPU_FILE), "--profile", "load"]
 
 
@@ -95,10 +100,19 @@ def test_docker_compose_config() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     config = json.loads(proc.stdout)
-    assert set(config["services"]) == {"triton", "sidecar", "prometheus", "grafana", "locust-master", "locust-worker"}
+    assert set(config["services"]) == {
+        "triton",
+        "sidecar",
+        "prometheus",
+        "grafana",
+        "locust-master",
+        "locust-worker",
+    }
     # The admin token and the Grafana password are required, never defaulted.
     env = {k: v for k, v in os.environ.items() if k not in REQUIRED_ENV}
-    missing = subprocess.run([*cmd, "config"], capture_output=True, text=True, timeout=60, check=False, env=env)
+    missing = subprocess.run(
+        [*cmd, "config"], capture_output=True, text=True, timeout=60, check=False, env=env
+    )
     assert missing.returncode != 0 and "TUNEGATE_ADMIN_TOKEN" in missing.stderr
 
 
@@ -106,7 +120,14 @@ def test_docker_compose_config() -> None:
 
 
 def test_every_image_is_pinned(stack: dict[str, Any]) -> None:
-    assert set(services(stack)) >= {"triton", "sidecar", "prometheus", "grafana", "locust-master", "locust-worker"}
+    assert set(services(stack)) >= {
+        "triton",
+        "sidecar",
+        "prometheus",
+        "grafana",
+        "locust-master",
+        "locust-worker",
+    }
     for name, svc in services(stack).items():
         image = svc.get("image", "")
         assert image and "${" not in image, f"{name}: no literal image"
@@ -143,7 +164,9 @@ def test_triton_uses_explicit_model_control_on_the_shared_repository(stack: dict
             config = repo / str(arg).split("=", 1)[1] / "config.pbtxt"
             assert config.is_file(), config
             # Production serves natively (no python backend in the NGC image's Python).
-            assert re.search(r'^(backend: "onnxruntime"|platform: "tensorrt_plan")$', config.read_text(), re.M)
+            assert re.search(
+                r'^(backend: "onnxruntime"|platform: "tensorrt_plan")$', config.read_text(), re.MULTILINE
+            )
 
 
 def test_native_repository_config_is_what_the_writer_emits() -> None:
@@ -151,7 +174,9 @@ def test_native_repository_config_is_what_the_writer_emits() -> None:
 
     native = dataclasses.replace(models.minilm_config(), form="onnxruntime")
     committed = COMPOSE / "model_repository" / native.name / "config.pbtxt"
-    assert committed.read_text() == native.pbtxt(), "regenerate: tunegate model native --dest compose/model_repository"
+    assert committed.read_text() == native.pbtxt(), (
+        "regenerate: tunegate model native --dest compose/model_repository"
+    )
 
 
 def test_every_mounted_path_exists(stack: dict[str, Any]) -> None:
@@ -198,8 +223,14 @@ def test_ports_are_consistent_with_the_configs(stack: dict[str, Any]) -> None:
         "prometheus": 9090,  # its default; no --web.listen-address
     }
     assert not any(str(a).startswith("--web.listen-address") for a in svcs["prometheus"]["command"])
-    for name, port in (("sidecar", listens["sidecar"]), ("triton", listens["triton-http"]),
-                       ("triton", listens["triton-metrics"]), ("prometheus", listens["prometheus"])):  # fmt: skip
+    where = {
+        "sidecar": "sidecar",
+        "triton-http": "triton",
+        "triton-metrics": "triton",
+        "prometheus": "prometheus",
+    }
+    for key, port in listens.items():
+        name = where[key]
         assert port in container_ports(svcs[name]), f"{name} does not expose {port}"
     # Prometheus scrapes the sidecar's KServe port and Triton's metrics port.
     targets = {
@@ -211,7 +242,9 @@ def test_ports_are_consistent_with_the_configs(stack: dict[str, Any]) -> None:
         "triton": [f"triton:{listens['triton-metrics']}"],
     }
     assert url_port(flag(svcs["sidecar"], "triton")) == ("triton", listens["triton-http"])
-    datasource = load_yaml(COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yml")["datasources"][0]
+    datasource = load_yaml(COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yml")[
+        "datasources"
+    ][0]
     assert url_port(datasource["url"]) == ("prometheus", listens["prometheus"])
     assert url_port(flag(svcs["locust-master"], "host")) == ("sidecar", listens["sidecar"])
     assert flag(svcs["locust-worker"], "master-host") == "locust-master"
@@ -241,17 +274,17 @@ def test_gpu_override_reserves_gpus_for_triton_only() -> None:
 
 def test_dockerfile_is_pinned_non_root_and_copies_what_exists(stack: dict[str, Any]) -> None:
     text = DOCKERFILE.read_text()
-    (base,) = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    (base,) = re.findall(r"^FROM\s+(\S+)", text, re.MULTILINE)
     assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base), base
     # The build context is the repository root; the ignore file lets in only what is copied.
     lines = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().splitlines()
     ignore = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert ignore[0] == "**" and "**/*.onnx" in ignore
-    for src in re.findall(r"^COPY\s+(.+?)\s+\S+$", text, re.M):
+    for src in re.findall(r"^COPY\s+(.+?)\s+\S+$", text, re.MULTILINE):
         for item in src.split():
             assert (ROOT / item).exists(), item
             assert f"!{item}" in ignore or f"!{item}/" in ignore, f"{item} is excluded from the build context"
-    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    users = re.findall(r"^USER\s+(\S+)", text, re.MULTILINE)
     assert users and users[-1] not in ("root", "0")
-    (exposed,) = re.findall(r"^EXPOSE\s+(\d+)", text, re.M)
+    (exposed,) = re.findall(r"^EXPOSE\s+(\d+)", text, re.MULTILINE)
     assert int(exposed) == int(flag(services(stack)["sidecar"], "port"))

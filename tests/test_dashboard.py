@@ -1,5 +1,5 @@
-"""The Grafana dashboard "tunegate — canary": generated JSON is current, well-formed, covers the on-call needs
-and queries only the metric contract. Its queries run on a real Prometheus in test_prometheus_live.py.
+"""The Grafana dashboard "tunegate — canary": generated JSON is current, well-formed, covers what on-call
+needs and queries only the metric contract. Its queries run on a real Prometheus in test_prometheus_live.py.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def all_exprs(dash: dict[str, Any]) -> list[str]:
 
 def test_committed_json_is_what_the_generator_writes() -> None:
     gen = load_generator()
-    assert DASHBOARD_JSON.read_text(encoding="utf-8") == gen.render(), "run python compose/grafana/dashboard.py"
+    assert DASHBOARD_JSON.read_text(encoding="utf-8") == gen.render(), (
+        "run python compose/grafana/dashboard.py"
+    )
     assert gen.main(["--check"]) == 0
 
 
@@ -58,7 +60,9 @@ def test_check_mode_detects_a_stale_file(tmp_path: Any, monkeypatch: pytest.Monk
 def test_identity_and_provisioning(dashboard: dict[str, Any]) -> None:
     assert dashboard["title"] == "tunegate — canary"
     provider = load_yaml(COMPOSE / "grafana" / "provisioning" / "dashboards" / "tunegate.yml")["providers"][0]
-    datasource = load_yaml(COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yml")["datasources"][0]
+    datasource = load_yaml(COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yml")[
+        "datasources"
+    ][0]
     assert provider["type"] == "file" and provider["options"]["path"] == "/etc/grafana/dashboards"
     assert datasource["type"] == "prometheus"
     # Every panel, target, annotation and variable points at the provisioned datasource by uid.
@@ -96,8 +100,12 @@ def test_queries_use_only_the_metric_contract(dashboard: dict[str, Any]) -> None
 
 
 def test_the_contract_check_catches_mistakes() -> None:
-    assert contract_violations("rate(tunegate_request_total[5m])") == ["unknown metric tunegate_request_total"]
-    assert contract_violations('tunegate_live_version{role="primary"}') == ["tunegate_live_version has no label role"]
+    assert contract_violations("rate(tunegate_request_total[5m])") == [
+        "unknown metric tunegate_request_total"
+    ]
+    assert contract_violations('tunegate_live_version{role="primary"}') == [
+        "tunegate_live_version has no label role"
+    ]
     assert contract_violations('tunegate_decisions_total{outcome=~"pin|rollback"}')
 
 

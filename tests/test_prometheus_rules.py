@@ -70,4 +70,3 @@ def test_a_broken_threshold_fails_the_unit_tests(tmp_path: Path) -> None:
     proc = promtool("test", "rules", *[f"tests/{p.name}" for p in RULE_TESTS], cwd=tmp_path)
     assert proc.returncode != 0
     assert "TunegateMirrorDropping" in proc.stdout + proc.stderr
-

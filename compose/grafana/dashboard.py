@@ -65,12 +65,14 @@ def _quantile(q: float) -> str:
     )
 
 
-def _zero_filled(expr: str, like: str) -> str:
-    """`expr` per model, or an explicit 0 for models that have traffic but no such event yet."""
-    return f"sum by (model) ({expr}) or sum by (model) (0 * {like})"
+def _candidate_failures(kind: str) -> str:
+    """Rate of failed candidate mirrors of one kind per model, an explicit 0 where there were none yet
+    (the error counter has no series until the first failure; a gap would read as "no data")."""
+    failures = f'rate(tunegate_mirror_errors_total{{{M}, role="candidate", kind="{kind}"}}[{RI}])'
+    sampled = f'rate(tunegate_mirror_sampled_total{{{M}, role="candidate"}}[{RI}])'
+    return f"sum by (model) ({failures}) or sum by (model) (0 * {sampled})"
 
 
-_CANDIDATE_SAMPLED = f'rate(tunegate_mirror_sampled_total{{{M}, role="candidate"}}[{RI}])'
 _STATE_EXPR = " + ".join(
     f'{code} * max by (model) (tunegate_canary_state{{{M}, state="{state}"}})'
     for state, code in STATE_CODES.items()
@@ -83,19 +85,24 @@ PANELS: tuple[Panel, ...] = (
         width=4, height=5, description="Version serving unversioned client requests through the sidecar.",
     ),
     Panel(
-        "Candidate version", "stat", (Target(f"max by (model) (tunegate_candidate_version{{{M}}})", "{{model}}"),),
+        "Candidate version", "stat",
+        (Target(f"max by (model) (tunegate_candidate_version{{{M}}})", "{{model}}"),),
         width=4, height=5, description="Version under canary (0: none).",
     ),
     Panel(
         "Canary state", "state-timeline", (Target(_STATE_EXPR, "{{model}}"),), width=8, height=5,
         mappings=tuple(
-            {"type": "value", "options": {str(code): {"text": state, "color": STATE_COLORS[state], "index": code}}}
+            {"type": "value",
+             "options": {str(code): {"text": state, "color": STATE_COLORS[state], "index": code}}}
             for state, code in STATE_CODES.items()
         ),
     ),
     Panel(
         "Decisions in range", "stat",
-        (Target(f"sum by (model, outcome) (increase(tunegate_decisions_total{{{M}}}[$__range]))", "{{model}} {{outcome}}"),),
+        (Target(
+            f"sum by (model, outcome) (increase(tunegate_decisions_total{{{M}}}[$__range]))",
+            "{{model}} {{outcome}}",
+        ),),
         width=4, height=5, description="promote / pin / inconclusive; each decision is also an annotation.",
     ),
     Panel(
@@ -136,21 +143,16 @@ PANELS: tuple[Panel, ...] = (
     ),
     Panel(
         "Candidate errors and timeouts", "timeseries",
-        (Target(
-            _zero_filled(f'rate(tunegate_mirror_errors_total{{{M}, role="candidate", kind="error"}}[{RI}])',
-                         _CANDIDATE_SAMPLED),
-            "errors {{model}}",
-        ),
-         Target(
-             _zero_filled(f'rate(tunegate_mirror_errors_total{{{M}, role="candidate", kind="timeout"}}[{RI}])',
-                          _CANDIDATE_SAMPLED),
-             "timeouts {{model}}",
-         )),
+        (Target(_candidate_failures("error"), "errors {{model}}"),
+         Target(_candidate_failures("timeout"), "timeouts {{model}}")),
         unit="reqps", description="Failed mirror requests to the candidate; they never reach clients.",
     ),
     Panel(
         "Mirror sampled vs dropped", "timeseries",
-        (Target(f"sum by (model, role) (rate(tunegate_mirror_sampled_total{{{M}}}[{RI}]))", "sampled {{model}} {{role}}"),
+        (Target(
+            f"sum by (model, role) (rate(tunegate_mirror_sampled_total{{{M}}}[{RI}]))",
+            "sampled {{model}} {{role}}",
+        ),
          Target(
              f"sum by (model, role, reason) (rate(tunegate_mirror_dropped_total{{{M}}}[{RI}]))",
              "dropped {{model}} {{role}} ({{reason}})",
@@ -163,7 +165,8 @@ PANELS: tuple[Panel, ...] = (
     ),
     Panel(
         "Triton compute time per request", "timeseries",
-        (Target(_per_request_ms("nv_inference_compute_infer_duration_us"), "{{model}} v{{version}}"),), unit="ms",
+        (Target(_per_request_ms("nv_inference_compute_infer_duration_us"), "{{model}} v{{version}}"),),
+        unit="ms",
     ),
 )  # fmt: skip
 
@@ -173,7 +176,9 @@ ANNOTATION_EXPR = f"sum by (model, outcome) (increase(tunegate_decisions_total{{
 def _panel_json(panel: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
     # Grafana's first step has no value (the base colour).
     thresholds = panel.thresholds or ((0, "green"),)
-    steps = [{"color": thresholds[0][1], "value": None}] + [{"color": c, "value": v} for v, c in thresholds[1:]]
+    steps = [{"color": thresholds[0][1], "value": None}] + [
+        {"color": c, "value": v} for v, c in thresholds[1:]
+    ]
     return {
         "id": pid,
         "type": panel.kind,
