@@ -130,6 +130,17 @@ def contract_violations(expr: str) -> list[str]:
 # -- a real Prometheus ------------------------------------------------------------------------
 
 
+def terminate(proc: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
+    """SIGTERM, then SIGKILL if it does not exit in time; always reaped."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
 class PrometheusServer:
     """`prometheus` on 127.0.0.1:<free port> with its TSDB in `workdir`; stop() always reaps it."""
 
@@ -171,15 +182,8 @@ class PrometheusServer:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        if proc is not None:
+            terminate(proc)
 
     def log_tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError):

@@ -23,6 +23,7 @@ COMPOSE_FILE = COMPOSE / "docker-compose.yml"
 GPU_FILE = COMPOSE / "docker-compose.gpu.yml"
 DOCKERFILE = COMPOSE / "sidecar" / "Dockerfile"
 # Values the `${VAR:?}` variables need for `docker compose config`.
+SERVICES = {"triton", "sidecar", "prometheus", "grafana", "locust-master", "locust-worker"}
 REQUIRED_ENV = {"TUNEGATE_ADMIN_TOKEN": "test-token", "GRAFANA_ADMIN_PASSWORD": "test-password"}
 
 
@@ -100,14 +101,7 @@ def test_docker_compose_config() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     config = json.loads(proc.stdout)
-    assert set(config["services"]) == {
-        "triton",
-        "sidecar",
-        "prometheus",
-        "grafana",
-        "locust-master",
-        "locust-worker",
-    }
+    assert set(config["services"]) == SERVICES
     # The admin token and the Grafana password are required, never defaulted.
     env = {k: v for k, v in os.environ.items() if k not in REQUIRED_ENV}
     missing = subprocess.run(
@@ -120,14 +114,7 @@ def test_docker_compose_config() -> None:
 
 
 def test_every_image_is_pinned(stack: dict[str, Any]) -> None:
-    assert set(services(stack)) >= {
-        "triton",
-        "sidecar",
-        "prometheus",
-        "grafana",
-        "locust-master",
-        "locust-worker",
-    }
+    assert set(services(stack)) >= SERVICES
     for name, svc in services(stack).items():
         image = svc.get("image", "")
         assert image and "${" not in image, f"{name}: no literal image"
