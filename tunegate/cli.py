@@ -8,6 +8,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from rich.markup import escape
+
 from tunegate import __version__
 from tunegate.console import CliError, err
 
@@ -50,7 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except CliError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
+        # escaped: messages quote spec keys like [model].source, which rich would take for markup
+        err.print(f"[bold red]error:[/] {escape(str(exc))}")
         return exc.code
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -1,0 +1,135 @@
+"""Crash, hang, budget and kill -9 isolation of the search, on the tiny model.
+
+`FaultyOrtBuilder` is a test double at the builder seam: the real ONNX Runtime builder plus a
+`-fault` knob that makes the child process crash, hang, fail or dawdle. The tuner runs it in a
+child process exactly like the real one (it is named `module:Class` in the spec's [search].backend).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_tuner_search import ROOT, tiny_project
+from tuner.builders.base import Artifact, BuildContext, BuildError
+from tuner.builders.ort import OrtBuilder
+from tuner.cache import CacheError
+from tuner.routes import Knob
+from tuner.search import tune
+from tuner.spec import load_spec
+
+BACKEND = "tests.test_tuner_faults:FaultyOrtBuilder"
+
+
+class FaultyOrtBuilder(OrtBuilder):
+    """Test double: the real ORT builder with a fault injected into the child process per route."""
+
+    name = "faulty-onnxruntime"
+    knobs = (*OrtBuilder.knobs, Knob("fault", ("none", "crash", "hang", "error", "slow"), "none", "test fault"))
+
+    def build(self, source: Path, route: Mapping[str, str], out: Path, ctx: BuildContext) -> Artifact:
+        fault = route.get("fault", "none")
+        if fault == "crash":
+            os.abort()
+        if fault == "hang":
+            time.sleep(3600)
+        if fault == "error":
+            raise BuildError("this route cannot be built: injected error")
+        if fault == "slow":
+            time.sleep(1.5)
+        return super().build(source, route, out, ctx)
+
+
+def _no_temp_builds(workdir: Path) -> bool:
+    return not list((workdir / "builds").glob(".tmp-*"))
+
+
+def test_a_crash_a_hang_and_an_error_fail_only_their_route(tmp_path: Path) -> None:
+    spec = load_spec(tiny_project(
+        tmp_path,
+        search={"backend": BACKEND, "routes": "-fault=[none|crash|hang|error]", "build_timeout_s": 4.0},
+        bench={"repeats": 3, "e2e": False}, objective={"min_speedup": 0.01},
+    ))
+    t0 = time.monotonic()
+    result = tune(spec, progress=False, write=False)
+    by_fault = {r.knobs["fault"]: r for r in result.routes}
+    assert by_fault["none"].status == "passed"
+    assert by_fault["crash"].status == "failed" and "killed by signal 6" in (by_fault["crash"].error or "")
+    assert by_fault["hang"].status == "failed" and "timed out after 4s" in (by_fault["hang"].error or "")
+    assert by_fault["error"].status == "failed" and "injected error" in (by_fault["error"].error or "")
+    assert time.monotonic() - t0 < 60
+    assert result.winner is not None and result.winner.knobs["fault"] == "none"
+    assert _no_temp_builds(spec.workdir)
+    errors = {json.loads(line).get("error") for line in spec.workdir.joinpath("cache.jsonl").read_text().splitlines()}
+    assert any(e and "killed by signal 6" in e for e in errors)
+
+
+def test_the_budget_stops_the_search_cleanly_and_keeps_what_finished(tmp_path: Path) -> None:
+    spec = load_spec(tiny_project(
+        tmp_path,
+        search={"backend": BACKEND, "routes": "-fault=[none|hang|error]", "build_timeout_s": 120.0},
+        bench={"repeats": 3, "e2e": False}, objective={"min_speedup": 0.01},
+    ))
+    t0 = time.monotonic()
+    result = tune(spec, budget_s=8.0, progress=False, write=False)
+    assert time.monotonic() - t0 < 40
+    assert result.stopped_by_budget
+    assert [r.knobs["fault"] for r in result.routes] == ["none"]  # the hang was cut by the budget, not judged
+    assert "time budget" in result.reason
+    recorded = [json.loads(x) for x in spec.workdir.joinpath("cache.jsonl").read_text().splitlines()]
+    assert [r["knobs"]["fault"] for r in recorded if r["kind"] == "route"] == ["none"]
+    assert _no_temp_builds(spec.workdir)
+
+
+def _route_lines(cache: Path) -> list[dict[str, Any]]:
+    return [r for r in map(json.loads, cache.read_text().splitlines()) if r.get("kind") == "route"]
+
+
+def test_continue_after_kill_9_resumes_without_redoing_finished_routes(tmp_path: Path) -> None:
+    spec_path = tiny_project(
+        tmp_path,
+        search={"backend": BACKEND, "routes": "-fault=[slow|none] -opt=[all|disable|basic|extended]"},
+        bench={"repeats": 3, "e2e": False}, objective={"min_speedup": 0.01},
+    )
+    cache = tmp_path / "work" / "cache.jsonl"
+    cmd = [sys.executable, "-m", "tunegate.cli", "tune", str(spec_path), "--json", "--no-write"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not cache.exists() or len(_route_lines(cache)) < 2):
+            time.sleep(0.05)
+        assert proc.poll() is None, "the search finished before it could be killed"
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    finished = [r["route"] for r in _route_lines(cache)]
+    assert 2 <= len(finished) < 5
+
+    done = subprocess.run([*cmd, "--continue"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert len(summary["routes"]) == 5
+    assert {r["route"] for r in summary["routes"] if r["reused"]} == set(finished)
+    lines = _route_lines(cache)
+    assert len(lines) == 5 and len({r["route"] for r in lines}) == 5  # nothing done twice
+    assert sum(1 for x in cache.read_text().splitlines() if json.loads(x).get("kind") == "header") == 1
+
+
+def test_a_changed_spec_refuses_to_resume(tmp_path: Path) -> None:
+    spec_path = tiny_project(tmp_path, search={"routes": "-opt=all"}, bench={"repeats": 3, "e2e": False})
+    tune(load_spec(spec_path), progress=False, write=False)
+    spec_path.write_text(spec_path.read_text().replace("threshold = 0.0001", "threshold = 0.001", 1))
+    with pytest.raises(CacheError, match="the spec changed since this search started"):
+        tune(load_spec(spec_path), resume=True, progress=False, write=False)
+    proc = subprocess.run([sys.executable, "-m", "tunegate.cli", "tune", str(spec_path), "--continue"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "the spec changed" in proc.stderr
