@@ -11,6 +11,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from tunegate.console import CliError, emit_json, err, out
 
 
@@ -70,7 +72,7 @@ def cmd_routes(args: argparse.Namespace) -> int:
 def _print_plan(p: dict[str, Any]) -> None:
     from rich.table import Table
 
-    head = f"backend [bold]{p['backend']}[/]" + ("" if p["available"] else f" [red](unavailable: {p['why']})[/]")
+    head = f"backend [bold]{p['backend']}[/]" + ("" if p["available"] else f" [red](unavailable: {escape(p['why'])})[/]")
     out.print(head)
     knobs = Table("knob", "values", "default", "in this spec", "help", title="knobs")
     for k in p["knobs"]:
@@ -118,17 +120,17 @@ def _print_summary(result: Any) -> None:
     colors = {"passed": "green", "rejected": "red", "failed": "yellow", "skipped": "dim"}
     for r in sorted(result.routes, key=lambda r: (r.status != "passed", r.objective_ms or 1e18)):
         gate = (r.accuracy or {}).get("summary") or (r.error or "")
-        table.add_row(r.route, f"[{colors.get(r.status, 'white')}]{r.status}[/]",
+        table.add_row(escape(r.route), f"[{colors.get(r.status, 'white')}]{r.status}[/]",
                       f"{r.speedup:.2f}x" if r.speedup is not None else "—",
                       f"{r.objective_ms:.2f}" if r.objective_ms is not None else "—",
-                      f"{r.build_seconds:.1f}" if r.build_seconds is not None else "—", gate[:120])
+                      f"{r.build_seconds:.1f}" if r.build_seconds is not None else "—", escape(gate[:160]))
     out.print(table)
     out.print(f"baseline version {result.baseline['version']}: {result.baseline['objective_ms']:.2f} ms")
     if result.winner is not None and result.version is not None:
-        out.print(f"[bold green]winner[/] {result.winner.route}: {result.reason}")
+        out.print(f"[bold green]winner[/] {escape(result.reason)}")
         out.print(f"written as version {result.version}: {result.version_path} (not served until the canary)")
     elif result.winner is not None:
         out.print(f"[bold green]winner[/] {result.winner.route} (not written: --no-write)")
     else:
-        out.print(f"[bold yellow]no winner[/]: {result.reason}; nothing written")
+        out.print(f"[bold yellow]no winner[/]: {escape(result.reason)}; nothing written")
     err.print(f"report: {result.report_path}")

@@ -211,7 +211,12 @@ def make_inputs(spec: InputsSection, source: Path, model: str) -> InputSet:
     gate = []
     for i in range(spec.batches):
         shape = spec.shapes[int(rng.choice(len(spec.shapes), p=weights / weights.sum()))]
-        feeds = text.sample(shape, rng) if text else _random_feeds(descs, spec, shape, rng)
+        if text is not None:
+            # Gate batches keep the sentences' natural lengths (up to max_length): truncating them to
+            # the benchmark's sequence would hide the long inputs where quantisation errors grow.
+            feeds = text.sample(Shape(shape.batch, None, shape.weight), rng)
+        else:
+            feeds = _random_feeds(descs, spec, shape, rng)
         gate.append(Batch(f"dist-{i}", feeds))
     if spec.edge_cases:
         gate.extend(_edge_cases(descs, spec, text, rng))

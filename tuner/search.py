@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import math
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +31,7 @@ from tuner.release import build_release, tool_versions, write_release
 from tuner.report import write_report
 from tuner.routes import Route, fast_routes, full_routes, mixed_routes, parse_space, route_string
 from tuner.spec import STRATEGIES, TuneSpec
-from tunegate.repository import parse_version_policy, versions
+from tunegate.repository import parse_version_policy, sha256_file, versions
 
 LOG = logging.getLogger(__name__)
 
@@ -318,7 +319,8 @@ def tune(
 
         search = _Search(spec, builder, cache, inputs, reference, base_runner, t_start + budget, rep)
         results = _strategy(search, strategy)
-        finalists = _winners(results, spec.objective.min_speedup)[: spec.search.finalists]
+        same = _same_as_baseline(baseline_dir, base_runtime)
+        finalists = [r for r in _winners(results, spec.objective.min_speedup) if not same(r)][: spec.search.finalists]
 
         e2e: dict[str, Any] = {}
         if finalists and spec.bench.e2e:
@@ -342,6 +344,19 @@ def tune(
     )
     return TuneResult(spec.model.name, strategy, winner, version, version_path, report, cache.path, results,
                       baseline, e2e, reason, search.stopped, release)
+
+
+def _same_as_baseline(baseline_dir: Path, runtime: Mapping[str, Any]) -> Any:
+    """A predicate: does this route's artifact and runtime equal the baseline's (nothing to release)?"""
+    base_sha = sha256_file(baseline_dir / runtime.get("artifact", "model.onnx"))
+
+    def same(r: RouteResult) -> bool:
+        if not r.artifact:
+            return False
+        art = Artifact.load(Path(r.artifact))
+        return dict(art.runtime) == dict(runtime) and sha256_file(art.path) == base_sha
+
+    return same
 
 
 def _reason(results: list[RouteResult], winner: RouteResult | None, stopped: bool, spec: TuneSpec) -> str:
@@ -400,6 +415,8 @@ def _write_winner(spec: TuneSpec, builder: Builder, winner: RouteResult, baselin
     except BuildError as exc:
         LOG.warning("rebuilding the winner failed: %s", exc)
         identical = None
+    finally:
+        shutil.rmtree(rebuild_dir, ignore_errors=True)  # only its outputs matter
     latency = {
         "objective": spec.objective.metric,
         "batch_sizes": list(spec.objective.batch_sizes),
