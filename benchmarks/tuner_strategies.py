@@ -27,8 +27,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tuner.search import tune  # noqa: E402
-from tuner.spec import load_spec  # noqa: E402
+from tuner.search import tune
+from tuner.spec import load_spec
 
 DEFAULT_ROUTES = (
     "-opt=[all|extended] -fusion=[bert|none] "

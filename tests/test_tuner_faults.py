@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_tuner_search import ROOT, tiny_project
+from tests.test_tuner_search import ROOT, run_cli, tiny_project
 from tuner.builders.base import Artifact, BuildContext, BuildError
 from tuner.builders.ort import OrtBuilder
 from tuner.cache import CacheError
@@ -56,7 +56,8 @@ def _no_temp_builds(workdir: Path) -> bool:
 def test_a_crash_a_hang_and_an_error_fail_only_their_route(tmp_path: Path) -> None:
     spec = load_spec(tiny_project(
         tmp_path,
-        search={"backend": BACKEND, "routes": "-fault=[none|crash|hang|error]", "build_timeout_s": 4.0},
+        # -opt=disable: the healthy route must differ from the baseline to be a winner
+        search={"backend": BACKEND, "routes": "-fault=[none|crash|hang|error] -opt=disable", "build_timeout_s": 4.0},
         bench={"repeats": 3, "e2e": False}, objective={"min_speedup": 0.01},
     ))
     t0 = time.monotonic()
@@ -114,7 +115,7 @@ def test_continue_after_kill_9_resumes_without_redoing_finished_routes(tmp_path:
     finished = [r["route"] for r in _route_lines(cache)]
     assert 2 <= len(finished) < 5
 
-    done = subprocess.run([*cmd, "--continue"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    done = run_cli(*cmd[3:], "--continue")
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert len(summary["routes"]) == 5
@@ -130,6 +131,5 @@ def test_a_changed_spec_refuses_to_resume(tmp_path: Path) -> None:
     spec_path.write_text(spec_path.read_text().replace("threshold = 0.0001", "threshold = 0.001", 1))
     with pytest.raises(CacheError, match="the spec changed since this search started"):
         tune(load_spec(spec_path), resume=True, progress=False, write=False)
-    proc = subprocess.run([sys.executable, "-m", "tunegate.cli", "tune", str(spec_path), "--continue"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_cli("tune", str(spec_path), "--continue")
     assert proc.returncode == 2 and "the spec changed" in proc.stderr

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tunegate import codec, models
+from tunegate.capture import CaptureRecord, CaptureWriter
 from tuner.bench import objective, stats
 from tuner.inputs import InputsError, make_inputs
 from tuner.spec import InputsSection, ObjectiveSection, Shape
-from tunegate import codec, models
-from tunegate.capture import CaptureRecord, CaptureWriter
 
 
 @pytest.fixture

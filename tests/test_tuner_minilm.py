@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tunegate import models
+from tunegate.textdata import Tokenizer
 from tuner.builders.ort import ort_runner
 from tuner.release import RELEASE_KEYS
 from tuner.search import tune
 from tuner.spec import parse_spec
-from tunegate import models
-from tunegate.textdata import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -102,8 +102,8 @@ def test_mixed_crosses_only_the_values_that_helped() -> None:
 
 
 def test_the_onnxruntime_builder_defaults_are_the_baseline_runtime() -> None:
-    from tuner.builders.ort import runtime_for
     from tunegate.repository import DEFAULT_RUNTIME
+    from tuner.builders.ort import runtime_for
 
     defaults = {k.name: k.default for k in OrtBuilder.knobs}
     assert runtime_for(defaults) == DEFAULT_RUNTIME

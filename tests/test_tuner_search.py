@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tunegate import models
+from tunegate.repository import onnx_version_files, sha256_file, write_config, write_version
+from tunegate.tolerance import ToleranceSpec
 from tuner.builders.ort import ort_runner
 from tuner.release import RELEASE_KEYS
 from tuner.search import tune
 from tuner.spec import load_spec
-from tunegate import models
-from tunegate.repository import onnx_version_files, sha256_file, write_config, write_version
-from tunegate.tolerance import ToleranceSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,6 +66,12 @@ def tiny_project(tmp_path: Path, **sections: dict[str, Any]) -> Path:
     path = tmp_path / "tiny.toml"
     path.write_text(dump_toml(doc) + "\n")
     return path
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """`tunegate ARGS` in a child process, from the project root."""
+    cmd = [sys.executable, "-m", "tunegate.cli", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def tree_digest(path: Path) -> dict[str, str]:
@@ -139,8 +145,7 @@ def test_the_gate_rejects_int8_keeps_fp32_and_the_written_version_serves_the_in_
 def test_no_route_beating_the_baseline_is_a_clean_result_with_nothing_written(tmp_path: Path) -> None:
     spec_path = tiny_project(tmp_path, objective={"min_speedup": 1000.0}, bench={"repeats": 3, "e2e": False},
                              search={"routes": "-opt=[all|disable]"})
-    proc = subprocess.run([sys.executable, "-m", "tunegate.cli", "tune", str(spec_path), "--json"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=240)
+    proc = run_cli("tune", str(spec_path), "--json")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["winner"] is None and summary["version"] is None
@@ -150,10 +155,19 @@ def test_no_route_beating_the_baseline_is_a_clean_result_with_nothing_written(tm
     assert Path(summary["report"]).is_file()
 
 
+def test_a_route_that_builds_the_baseline_itself_is_not_released(tmp_path: Path) -> None:
+    spec = load_spec(tiny_project(tmp_path, objective={"min_speedup": 0.01}, bench={"repeats": 3, "e2e": False},
+                                  search={"routes": "-opt=all -quant=fp32"}))
+    result = tune(spec, progress=False)
+    assert [r.status for r in result.routes] == ["passed"]
+    assert result.winner is None and "build exactly the baseline" in result.reason
+    assert sorted(p.name for p in (tmp_path / "repo" / "tiny").iterdir()) == ["1", "config.pbtxt"]
+
+
 def test_routes_and_dry_run_list_knobs_and_routes_without_building(tmp_path: Path) -> None:
     spec_path = tiny_project(tmp_path)
     for args in (["routes", str(spec_path), "--json"], ["tune", str(spec_path), "--dry-run", "--strategy", "full", "--json"]):
-        proc = subprocess.run([sys.executable, "-m", "tunegate.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        proc = run_cli(*args)
         assert proc.returncode == 0, proc.stderr
         plan = json.loads(proc.stdout)
         assert {k["name"] for k in plan["knobs"]} == {"opt", "fusion", "quant", "threads", "exec"}
@@ -164,12 +178,10 @@ def test_routes_and_dry_run_list_knobs_and_routes_without_building(tmp_path: Pat
 
 def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path) -> None:
     spec_path = tiny_project(tmp_path, search={"routes": "-quant=int4"})
-    proc = subprocess.run([sys.executable, "-m", "tunegate.cli", "tune", str(spec_path)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+    proc = run_cli("tune", str(spec_path))
     assert proc.returncode == 2
     assert "-quant=int4: not an allowed value" in proc.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\nname = 'x'\n")
-    proc = subprocess.run([sys.executable, "-m", "tunegate.cli", "routes", str(bad)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+    proc = run_cli("routes", str(bad))
     assert proc.returncode == 2 and "[model].source is required" in proc.stderr

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from tuner.spec import SpecError, load_spec, parse_spec
 from tunegate import models
+from tuner.spec import SpecError, load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 

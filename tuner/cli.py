@@ -85,10 +85,10 @@ def _print_plan(p: dict[str, Any]) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from tunegate.triton import TritonError
     from tuner.cache import CacheError
     from tuner.inputs import InputsError
     from tuner.search import TuneError, tune
-    from tunegate.triton import TritonError
 
     spec, p = _load(args)
     if args.dry_run:

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from tuner.bench import stats
-from tuner.inputs import InputSet
 from tunegate.records import atomic_write_text
 from tunegate.repository import set_version_policy, write_version
 from tunegate.triton import EmbeddedTriton, TritonOptions
+from tuner.bench import stats
+from tuner.inputs import InputSet
 
 
 def baseline_files(version_dir: Path) -> dict[str, Path | bytes | str]:
@@ -35,7 +35,7 @@ def baseline_files(version_dir: Path) -> dict[str, Path | bytes | str]:
 
 
 def _config_for(config_text: str, name: str) -> str:
-    text, n = re.subn(r'^name:\s*"[^"]*"', f'name: "{name}"', config_text, count=1, flags=re.M)
+    text, n = re.subn(r'^name:\s*"[^"]*"', f'name: "{name}"', config_text, count=1, flags=re.MULTILINE)
     if n == 0:
         text = f'name: "{name}"\n' + config_text
     return set_version_policy(text, [1])

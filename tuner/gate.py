@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from tunegate.tolerance import ToleranceSpec, Verdict, compare_many
 from tuner.builders.base import Runner
 from tuner.inputs import InputSet
-from tunegate.tolerance import ToleranceSpec, Verdict, compare_many
 
 Outputs = list[dict[str, np.ndarray]]
 

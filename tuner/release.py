@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tunegate.repository import sha256_file, write_version
 from tuner.builders.base import Artifact, Builder
 from tuner.spec import TuneSpec
-from tunegate.repository import sha256_file, write_version
 
 RELEASE_KEYS = (
     "model", "version", "route", "knobs", "spec", "spec_digest", "reference", "tolerance", "inputs_digest",
@@ -45,10 +45,9 @@ def gpu_info() -> dict[str, str]:
     if not smi:
         return {}
     try:
-        out = subprocess.run(
-            [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
-        ).stdout.strip().splitlines()
-        head = subprocess.run([smi], capture_output=True, text=True, timeout=10).stdout
+        query = [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=10, check=False).stdout.strip().splitlines()
+        head = subprocess.run([smi], capture_output=True, text=True, timeout=10, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
     info: dict[str, str] = {}

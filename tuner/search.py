@@ -17,8 +17,9 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
+from tunegate.repository import parse_version_policy, sha256_file, versions
 from tuner import gate
 from tuner.bench import bench_paired, bench_runner, objective, speedup
 from tuner.builders import Artifact, BuildContext, Builder, BuildError, get_builder
@@ -31,7 +32,6 @@ from tuner.release import build_release, tool_versions, write_release
 from tuner.report import write_report
 from tuner.routes import Route, fast_routes, full_routes, mixed_routes, parse_space, route_string
 from tuner.spec import STRATEGIES, TuneSpec
-from tunegate.repository import parse_version_policy, sha256_file, versions
 
 LOG = logging.getLogger(__name__)
 
@@ -320,7 +320,8 @@ def tune(
         search = _Search(spec, builder, cache, inputs, reference, base_runner, t_start + budget, rep)
         results = _strategy(search, strategy)
         same = _same_as_baseline(baseline_dir, base_runtime)
-        finalists = [r for r in _winners(results, spec.objective.min_speedup) if not same(r)][: spec.search.finalists]
+        fast_enough = _winners(results, spec.objective.min_speedup)
+        finalists = [r for r in fast_enough if not same(r)][: spec.search.finalists]
 
         e2e: dict[str, Any] = {}
         if finalists and spec.bench.e2e:
@@ -330,6 +331,8 @@ def tune(
 
         winner = finalists[0] if finalists else None
         reason = _reason(results, winner, search.stopped, spec)
+        if winner is None and fast_enough:
+            reason = "the routes that pass and beat the baseline build exactly the baseline (same artifact and runtime)"
         version = version_path = release = None
         if winner is not None and write:
             rep.note(f"rebuilding the winner once and writing it: {winner.route}")
@@ -451,9 +454,16 @@ class _Reporter:
         self._progress: Any = None
         self._task: Any = None
 
-    def __enter__(self) -> _Reporter:
+    def __enter__(self) -> Self:
         if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             from tunegate.console import err
 

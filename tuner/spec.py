@@ -140,9 +140,8 @@ def _section(cls: type, table: Mapping[str, Any], where: str, **converted: Any) 
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise SpecError(f"{where}.{name}: expected a number, got {value!r}")
             value = float(value)
-        elif isinstance(default, int) and not isinstance(default, bool):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise SpecError(f"{where}.{name}: expected an integer, got {value!r}")
+        elif isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, int)):
+            raise SpecError(f"{where}.{name}: expected an integer, got {value!r}")
         if isinstance(default, str) and not isinstance(value, str):
             raise SpecError(f"{where}.{name}: expected a string, got {value!r}")
         kwargs[name] = value

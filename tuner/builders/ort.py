@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from tunegate.repository import DEFAULT_RUNTIME, onnx_version_files
 from tuner.builders.base import Artifact, BuildContext, Builder, BuildError, Runner
 from tuner.routes import Knob
-from tunegate.repository import DEFAULT_RUNTIME, onnx_version_files
 
 DEFAULT_KEEP_FP32 = (r"layer\.\d+/output/dense",)
 INT8 = ("int8-tensor", "int8-channel", "int8-channel-keepffn", "int8-matmul", "int8-static")
@@ -143,7 +143,13 @@ class OrtBuilder(Builder):
 
     def _quantize(self, source: Path, quant: str, work: Path, ctx: BuildContext, meta: dict[str, Any]) -> Path:
         import onnx
-        from onnxruntime.quantization import QuantFormat, QuantType, quant_pre_process, quantize_dynamic, quantize_static
+        from onnxruntime.quantization import (
+            QuantFormat,
+            QuantType,
+            quant_pre_process,
+            quantize_dynamic,
+            quantize_static,
+        )
 
         pre = work / "pre.onnx"
         # A fused graph must not be re-optimised here (it would undo or break the fusion); auto_merge

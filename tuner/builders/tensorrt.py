@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from tunegate.records import atomic_write_bytes
 from tuner.builders.base import Artifact, BuildContext, Builder, BuildError, Runner
 from tuner.routes import Knob
-from tunegate.records import atomic_write_bytes
 
 UNAVAILABLE = (
     "TensorRT cannot be installed in this workplace: its -libs wheels are placeholders that download "
@@ -38,7 +38,7 @@ UNAVAILABLE = (
 
 
 def _trt() -> Any:
-    import tensorrt as trt  # noqa: PLC0415 - optional toolchain
+    import tensorrt as trt
 
     return trt
 
