@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -67,6 +68,28 @@ def host_path(svc: dict[str, Any], container_path: str) -> Path:
         if container_path == dst or container_path.startswith(dst.rstrip("/") + "/"):
             return src / container_path[len(dst) :].lstrip("/")
     raise AssertionError(f"{container_path} is not bind-mounted into the service")
+
+
+def sidecar_config(stack: dict[str, Any], tmp: Path) -> Any:
+    """compose's sidecar.toml through the sidecar's own config loader, container paths mapped to the host
+    (the token file, which compose makes from a secret, and the state volume to a temp dir)."""
+    from sidecar.client import write_token_file
+    from sidecar.config import load_config
+
+    svc = services(stack)["sidecar"]
+    toml_path = host_path(svc, flag(svc, "config"))
+    raw = tomllib.loads(toml_path.read_text())
+    (secret,) = svc["secrets"]
+    assert secret in stack["secrets"] and raw["admin_token_file"] == f"/run/secrets/{secret}"
+    state = next(str(v).split(":")[1] for v in svc["volumes"] if not str(v).startswith("."))
+    assert raw["state_dir"] == state and raw["capture_dir"].startswith(state + "/")
+    overrides = {
+        "repository": host_path(svc, raw["repository"]),
+        "state_dir": tmp / "state",
+        "capture_dir": tmp / "state" / "captures",
+        "admin_token_file": write_token_file(tmp / "token", "a-token-of-sixteen-or-more"),
+    }
+    return load_config(toml_path, overrides)
 
 
 def url_port(url: str) -> tuple[str, int]:
@@ -140,12 +163,20 @@ def test_triton_is_the_ngc_release_of_the_embedded_server(stack: dict[str, Any])
     assert (int(client[0]), int(client[1])) == (2, minor)
 
 
-def test_triton_uses_explicit_model_control_on_the_shared_repository(stack: dict[str, Any]) -> None:
-    triton, sidecar = services(stack)["triton"], services(stack)["sidecar"]
+def test_sidecar_config_is_valid_for_the_sidecar(stack: dict[str, Any], tmp_path: Path) -> None:
+    config = sidecar_config(stack, tmp_path)
+    assert config.admin_token is not None and config.capture_rate > 0
+    assert 0 < config.canary.sample_rate <= 1 and config.canary.deadline_s > 0
+
+
+def test_triton_uses_explicit_model_control_on_the_shared_repository(
+    stack: dict[str, Any], tmp_path: Path
+) -> None:
+    triton = services(stack)["triton"]
     assert flag(triton, "model-control-mode") == "explicit"
     repo = host_path(triton, flag(triton, "model-repository"))
     # The sidecar edits the very same directory (canary model, version policy) for promotion.
-    assert host_path(sidecar, flag(sidecar, "repository")) == repo
+    assert sidecar_config(stack, tmp_path).repository == repo
     for arg in triton["command"]:
         if str(arg).startswith("--load-model="):
             config = repo / str(arg).split("=", 1)[1] / "config.pbtxt"
@@ -201,10 +232,12 @@ def test_files_the_containers_read_exist(stack: dict[str, Any]) -> None:
         assert host_path(svc, locustfile) == ROOT / "loadtest" / "locustfile.py"
 
 
-def test_ports_are_consistent_with_the_configs(stack: dict[str, Any]) -> None:
+def test_ports_are_consistent_with_the_configs(stack: dict[str, Any], tmp_path: Path) -> None:
     svcs = services(stack)
+    sidecar = sidecar_config(stack, tmp_path)
+    assert sidecar.listen_host == "0.0.0.0", "the sidecar must listen on the container's network"
     listens = {
-        "sidecar": int(flag(svcs["sidecar"], "port")),
+        "sidecar": sidecar.listen_port,
         "triton-http": int(flag(svcs["triton"], "http-port")),
         "triton-metrics": int(flag(svcs["triton"], "metrics-port")),
         "prometheus": 9090,  # its default; no --web.listen-address
@@ -228,7 +261,7 @@ def test_ports_are_consistent_with_the_configs(stack: dict[str, Any]) -> None:
         "tunegate-sidecar": [f"sidecar:{listens['sidecar']}"],
         "triton": [f"triton:{listens['triton-metrics']}"],
     }
-    assert url_port(flag(svcs["sidecar"], "triton")) == ("triton", listens["triton-http"])
+    assert url_port(sidecar.upstream) == ("triton", listens["triton-http"])
     datasource = load_yaml(COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yml")[
         "datasources"
     ][0]
@@ -245,11 +278,17 @@ def test_locust_replays_the_sidecars_captures(stack: dict[str, Any]) -> None:
     svcs = services(stack)
     state = next(v for v in svcs["sidecar"]["volumes"] if not str(v).startswith("."))
     volume, path = str(state).split(":")[:2]
+    svc = svcs["sidecar"]
+    captures = tomllib.loads(host_path(svc, flag(svc, "config")).read_text())["capture_dir"]
     for name in ("locust-master", "locust-worker"):
         svc = svcs[name]
         assert svc["profiles"] == ["load"]
         assert f"{volume}:{path}:ro" in svc["volumes"]
-        assert svc["environment"]["TUNEGATE_CAPTURE"].removeprefix("${TUNEGATE_CAPTURE:-").startswith(path)
+        # By default Locust replays the directory the sidecar captures into.
+        default = (
+            svc["environment"]["TUNEGATE_CAPTURE"].removeprefix("${TUNEGATE_CAPTURE:-").removesuffix("}")
+        )
+        assert default == captures
 
 
 def test_gpu_override_reserves_gpus_for_triton_only() -> None:
@@ -259,7 +298,7 @@ def test_gpu_override_reserves_gpus_for_triton_only() -> None:
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
 
 
-def test_dockerfile_is_pinned_non_root_and_copies_what_exists(stack: dict[str, Any]) -> None:
+def test_dockerfile_is_pinned_non_root_and_copies_what_exists(stack: dict[str, Any], tmp_path: Path) -> None:
     text = DOCKERFILE.read_text()
     (base,) = re.findall(r"^FROM\s+(\S+)", text, re.MULTILINE)
     assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base), base
@@ -274,4 +313,4 @@ def test_dockerfile_is_pinned_non_root_and_copies_what_exists(stack: dict[str, A
     users = re.findall(r"^USER\s+(\S+)", text, re.MULTILINE)
     assert users and users[-1] not in ("root", "0")
     (exposed,) = re.findall(r"^EXPOSE\s+(\d+)", text, re.MULTILINE)
-    assert int(exposed) == int(flag(services(stack)["sidecar"], "port"))
+    assert int(exposed) == sidecar_config(stack, tmp_path).listen_port
