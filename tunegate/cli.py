@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "tunegate.cmd_model",
     "tunegate.cmd_triton",
     "tunegate.cmd_demo",
+    "sidecar.cli",
     "tuner.cli",
     "loadtest.cli",
 )

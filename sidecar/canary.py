@@ -1,0 +1,404 @@
+"""Canaries: start, mirror evidence, periodic judging, and the durable promote/pin sequence.
+
+A decision is committed in three steps, each durable before the next: the pending decision goes
+into state.json, then the action runs on Triton (idempotent), then the record is appended to
+decisions.jsonl (once per canary id) and the canary is cleared from the state. A sidecar killed
+anywhere in between finishes the same decision on restart: none lost, none doubled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+
+from sidecar.config import CanaryParams, ConfigError, SidecarConfig
+from sidecar.control import ControlError, PromotionError, TritonControl, shadow_name
+from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, judge
+from sidecar.metrics import SidecarMetrics
+from sidecar.mirror import BoundedTasks, Comparison, Response, compare_responses, payload
+from sidecar.state import EvidenceCounter, StateStore
+from tunegate.tolerance import ToleranceError, ToleranceSpec
+
+LOG = logging.getLogger(__name__)
+FORWARD_MIRROR_HEADERS = ("Content-Type", "Content-Encoding", "Inference-Header-Content-Length")
+
+
+class CanaryError(Exception):
+    """A canary request that cannot be served; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclasses.dataclass
+class Canary:
+    id: str
+    model: str
+    candidate: int
+    baseline: int
+    started: float
+    deadline: float
+    params: CanaryParams
+    tolerance: ToleranceSpec
+    tolerance_source: str
+    evidence: EvidenceCounter = dataclasses.field(default_factory=EvidenceCounter)
+    judgement: dict[str, Any] | None = None
+    pending: dict[str, Any] | None = None
+    tasks: BoundedTasks = dataclasses.field(default_factory=lambda: BoundedTasks(1))
+
+    def __post_init__(self) -> None:
+        self.tasks = BoundedTasks(self.params.max_in_flight)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "candidate": self.candidate,
+            "baseline": self.baseline,
+            "started": self.started,
+            "deadline": self.deadline,
+            "params": self.params.to_dict(),
+            "tolerance": self.tolerance.to_dict(),
+            "tolerance_source": self.tolerance_source,
+            "evidence": self.evidence.to_dict(),
+            "judgement": self.judgement,
+            "pending": self.pending,
+        }
+
+    @classmethod
+    def from_dict(cls, model: str, raw: dict[str, Any]) -> Canary:
+        return cls(
+            id=raw["id"], model=model, candidate=int(raw["candidate"]), baseline=int(raw["baseline"]),
+            started=float(raw["started"]), deadline=float(raw["deadline"]),
+            params=CanaryParams.from_dict(raw["params"]), tolerance=ToleranceSpec.from_dict(raw["tolerance"]),
+            tolerance_source=raw.get("tolerance_source", "request"),
+            evidence=EvidenceCounter.from_dict(raw.get("evidence", {})),
+            judgement=raw.get("judgement"), pending=raw.get("pending"),
+        )  # fmt: skip
+
+    def status(self) -> dict[str, Any]:
+        d = self.to_dict()
+        ev = dict(d["evidence"])
+        ev["latency_pairs"] = len(ev.pop("primary_s"))
+        ev.pop("candidate_s")
+        d["evidence"] = ev
+        d["in_flight"] = len(self.tasks)
+        return d
+
+
+class CanaryManager:
+    def __init__(
+        self,
+        config: SidecarConfig,
+        store: StateStore,
+        session: aiohttp.ClientSession,
+        metrics: SidecarMetrics,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.session = session
+        self.metrics = metrics
+        self.control = TritonControl(session, config.upstream, config.repository)
+        self.canaries: dict[str, Canary] = {}
+        self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self._random = random.Random()  # sampling only; decisions never depend on it
+        self._dirty = False
+        self._switching: set[str] = set()
+
+    # -- client path hooks (must stay cheap: they run per request on the event loop) ----------
+    def live_version(self, model: str) -> int | None:
+        if model in self._switching:
+            # Triton is swapping versions: either one may be unloading, so let it pick a loaded one.
+            return None
+        ms = self.store.models().get(model)
+        return None if ms is None else ms.get("live")
+
+    def sample(self, rate: float) -> bool:
+        return rate >= 1.0 or self._random.random() < rate
+
+    def offer(self, model: str, body: bytes, headers: Any, primary: Response, primary_s: float, request_id: str) -> None:
+        canary = self.canaries.get(model)
+        if canary is None or canary.pending is not None or primary.status != 200:
+            return
+        p = canary.params
+        if not self.sample(p.sample_rate):
+            return
+        self.metrics.mirror_sampled.labels(model, "candidate").inc()
+        fwd = {k: headers[k] for k in FORWARD_MIRROR_HEADERS if k in headers}
+        aa = p.aa_rate > 0 and self._random.random() < p.aa_rate
+        if not canary.tasks.offer(self._mirror(canary, body, fwd, primary, primary_s, request_id, aa)):
+            self.metrics.mirror_dropped.labels(model, "candidate", "full").inc()
+
+    async def _replay(self, canary: Canary, path: str, version: int, role: str,
+                      body: bytes, headers: dict[str, str]) -> tuple[Response, float] | str:  # fmt: skip
+        t0 = time.perf_counter()
+        timeout = aiohttp.ClientTimeout(total=canary.params.timeout_s)
+        try:
+            async with self.session.post(f"{self.config.upstream_base}{path}", data=payload(body), headers=headers,
+                                         timeout=timeout) as resp:  # fmt: skip
+                out = Response(resp.status, await resp.read(), dict(resp.headers))
+        except asyncio.TimeoutError:
+            self.metrics.mirror_errors.labels(canary.model, str(version), role, "timeout").inc()
+            return "timeout"
+        except aiohttp.ClientError as exc:
+            LOG.debug("%s replay failed: %r", role, exc)
+            self.metrics.mirror_errors.labels(canary.model, str(version), role, "error").inc()
+            return "error"
+        dt = time.perf_counter() - t0
+        self.metrics.requests.labels(canary.model, str(version), role, str(out.status)).inc()
+        self.metrics.latency.labels(canary.model, str(version), role).observe(dt)
+        if out.status != 200:
+            self.metrics.mirror_errors.labels(canary.model, str(version), role, "error").inc()
+        return out, dt
+
+    async def _mirror(self, canary: Canary, body: bytes, headers: dict[str, str], primary: Response,
+                      primary_s: float, request_id: str, aa: bool) -> None:  # fmt: skip
+        ev, m = canary.evidence, canary.model
+        got = await self._replay(canary, f"/v2/models/{shadow_name(m)}/versions/{canary.candidate}/infer",
+                                 canary.candidate, "candidate", body, headers)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        if isinstance(got, str) or got[0].status != 200:
+            ev.sent += 1
+            if got == "timeout":
+                ev.timeouts += 1
+            else:
+                ev.errors += 1
+                detail = got if isinstance(got, str) else got[0].body[:300].decode(errors="replace")
+                ev.add_exemplar({"request_id": request_id, "kind": "candidate_error", "detail": detail})
+            self._dirty = True
+            return
+        cand, cand_s = got
+        cmp: Comparison = await loop.run_in_executor(None, compare_responses, primary, cand, canary.tolerance)
+        if not cmp.reference_ok:
+            return
+        ev.sent += 1
+        ev.compared += 1
+        ev.add_pair(primary_s, cand_s)
+        self._count(canary, cmp, "candidate")
+        if not cmp.passed:
+            ev.out_of_tolerance += 1
+            ev.add_exemplar({"request_id": request_id, "kind": "out_of_tolerance", "reasons": list(cmp.reasons)})
+        self._dirty = True
+        if aa:
+            self.metrics.mirror_sampled.labels(m, "aa").inc()
+            got = await self._replay(canary, f"/v2/models/{m}/versions/{canary.baseline}/infer",
+                                     canary.baseline, "aa", body, headers)  # fmt: skip
+            if isinstance(got, str) or got[0].status != 200:
+                return  # the baseline's own failures are not evidence about the candidate
+            cmp = await loop.run_in_executor(None, compare_responses, primary, got[0], canary.tolerance)
+            ev.aa_compared += 1
+            ev.aa_out_of_tolerance += 0 if cmp.passed else 1
+            self._count(canary, cmp, "aa")
+            self.metrics.noise_floor_rate.labels(m).set(ev.aa_out_of_tolerance / ev.aa_compared)
+
+    def _count(self, canary: Canary, cmp: Comparison, role: str) -> None:
+        for out, ok in cmp.outputs.items():
+            self.metrics.comparisons.labels(canary.model, out, role).inc()
+            if not ok:
+                self.metrics.out_of_tolerance.labels(canary.model, out, role).inc()
+
+    # -- admin ---------------------------------------------------------------------------------
+    async def start(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self._locks[model]:
+            if model in self.canaries:
+                raise CanaryError(f"model {model!r} already has a canary (candidate "
+                                  f"{self.canaries[model].candidate}); promote or pin it first", 409)  # fmt: skip
+            body = dict(body)
+            candidate = body.pop("candidate", None)
+            if not isinstance(candidate, int) or isinstance(candidate, bool) or candidate < 1:
+                raise CanaryError("'candidate' must be a positive integer version")
+            tol_raw = body.pop("tolerance", None)
+            try:
+                params = CanaryParams.from_dict(body, self.config.canary)
+                policy = await asyncio.to_thread(self.control.policy, model)
+                live = self.live_version(model)
+                if live is None:
+                    if policy is None or len(policy) != 1:
+                        raise CanaryError(f"{model}/config.pbtxt needs version_policy specific [ <live> ] "
+                                          f"(found {policy}); the sidecar will not guess the baseline")  # fmt: skip
+                    live = policy[0]
+                if candidate == live:
+                    raise CanaryError(f"version {candidate} is already live")
+                if not self.control.version_dir(model, candidate).is_dir():
+                    raise CanaryError(f"{model} has no version {candidate} in the repository", 404)
+                release = await asyncio.to_thread(self.control.release, model, candidate)
+                source = "request"
+                if tol_raw is None and release is not None and "tolerance" in release:
+                    tol_raw, source = release["tolerance"], "release.json"
+                if tol_raw is None:
+                    raise CanaryError(f"{model} version {candidate} has no release.json with a tolerance; "
+                                      "pass an explicit 'tolerance' in the start request")  # fmt: skip
+                spec = ToleranceSpec.from_dict(tol_raw)
+            except (ConfigError, ToleranceError) as exc:
+                raise CanaryError(str(exc)) from exc
+            except ControlError as exc:
+                raise CanaryError(str(exc), 404) from exc
+            try:
+                await self.control.start_shadow(model, candidate)
+            except ControlError as exc:
+                raise CanaryError(f"cannot load the candidate: {exc}", 502) from exc
+            now = time.time()
+            canary = Canary(uuid.uuid4().hex, model, candidate, live, now, now + params.deadline_s, params, spec, source)
+            self.canaries[model] = canary
+            ms = self.store.model(model)
+            ms["live"], ms["canary"] = live, canary.to_dict()
+            await self._save()
+            self._publish(model)
+            LOG.info("canary %s started: %s v%d against v%d", canary.id, model, candidate, live)
+            return self.status(model)
+
+    async def decide_manually(self, model: str, outcome: str) -> dict[str, Any]:
+        canary = self.canaries.get(model)
+        if canary is None:
+            raise CanaryError(f"model {model!r} has no running canary", 404)
+        stats = judge(canary.evidence.snapshot(), canary.params.judge_params(), now=time.time(),
+                      deadline=canary.deadline).stats  # fmt: skip
+        verb = "promotion" if outcome == PROMOTE else "pin"
+        await self.decide(model, Judgement(outcome, (f"manual {verb} by an operator",), stats), "operator")
+        return self.status(model)
+
+    def status(self, model: str) -> dict[str, Any]:
+        ms = self.store.models().get(model)
+        canary = self.canaries.get(model)
+        if ms is None and canary is None:
+            return {"model": model, "state": "idle", "live": None, "canary": None, "last": None}
+        last = (ms or {}).get("last")
+        state = "running" if canary else (last["state"] if last else "idle")
+        return {"model": model, "state": state, "live": self.live_version(model),
+                "canary": canary.status() if canary else None, "last": last}  # fmt: skip
+
+    def all_status(self) -> dict[str, Any]:
+        return {"models": {m: self.status(m) for m in sorted(set(self.store.models()) | set(self.canaries))}}
+
+    async def decisions(self, model: str | None = None) -> list[dict[str, Any]]:
+        recs = await asyncio.to_thread(self.store.decisions.read)
+        return [r for r in recs if model is None or r.get("model") == model]
+
+    # -- judging and deciding ------------------------------------------------------------------
+    async def tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        for model, canary in list(self.canaries.items()):
+            if canary.pending is not None:
+                continue
+            snap = canary.evidence.snapshot()
+            j = await loop.run_in_executor(
+                None, lambda: judge(snap, canary.params.judge_params(), now=time.time(), deadline=canary.deadline)
+            )
+            canary.judgement = j.to_dict()
+            self.metrics.candidate_oot_rate.labels(model).set(j.stats["oot_rate"])
+            if j.final and self.canaries.get(model) is canary:
+                await self.decide(model, j, "judge")
+        if self._dirty:
+            for model, canary in self.canaries.items():
+                self.store.model(model)["canary"] = canary.to_dict()
+            await self._save()
+
+    async def decide(self, model: str, j: Judgement, by: str) -> None:
+        async with self._locks[model]:
+            canary = self.canaries.get(model)
+            if canary is None or canary.pending is not None:
+                return
+            canary.pending = {
+                "canary_id": canary.id, "model": model, "candidate": canary.candidate, "baseline": canary.baseline,
+                "outcome": j.outcome, "reasons": list(j.reasons), "evidence": j.stats, "decided_by": by,
+                "exemplars": list(canary.evidence.exemplars), "started": canary.started, "at": time.time(),
+                "params": canary.params.to_dict(), "tolerance": canary.tolerance.to_dict(),
+                "tolerance_source": canary.tolerance_source,
+            }  # fmt: skip
+            self.store.model(model)["canary"] = canary.to_dict()
+            await self._save()
+            await self._complete(canary)
+
+    async def _complete(self, canary: Canary) -> None:
+        """Act on a pending decision (idempotent), append its record once, clear the canary."""
+        model, rec = canary.model, dict(canary.pending or {})
+        await canary.tasks.drain()
+        existing = await asyncio.to_thread(self.store.decision_for, canary.id)
+        if existing is not None:
+            rec = existing
+        live = canary.baseline
+        if rec["outcome"] == PROMOTE:
+            self._switching.add(model)
+            try:
+                await self.control.promote(model, canary.candidate, canary.baseline)
+                live = canary.candidate
+            except (PromotionError, ControlError) as exc:
+                rec["outcome"] = PIN
+                rec["reasons"] = [*rec["reasons"], f"promotion failed, the baseline keeps serving: {exc}"]
+            finally:
+                self.store.model(model)["live"] = live
+                self._switching.discard(model)
+        try:
+            await self.control.stop_shadow(model)
+        except ControlError as exc:
+            LOG.warning("could not unload %s: %s", shadow_name(model), exc)
+        rec["live_after"] = live
+        if existing is None:
+            await asyncio.to_thread(self.store.decisions.append, rec)
+            outcome = rec["outcome"]
+            self.metrics.decisions.labels(model, outcome).inc()
+            self.metrics.last_decision.labels(model, outcome).set(time.time())
+        state = "promoted" if rec["outcome"] == PROMOTE else "pinned"
+        ms = self.store.model(model)
+        ms["live"], ms["canary"] = live, None
+        ms["last"] = {"canary_id": canary.id, "state": state, "outcome": rec["outcome"], "candidate": canary.candidate,
+                      "baseline": canary.baseline, "reasons": rec["reasons"], "at": rec["at"]}  # fmt: skip
+        self.canaries.pop(model, None)
+        await self._save()
+        self._publish(model)
+        LOG.info("canary %s of %s: %s (%s)", canary.id, model, rec["outcome"], "; ".join(rec["reasons"]))
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def resume(self) -> None:
+        """After a restart: republish state, finish pending decisions, reload shadows Triton lost."""
+        for model, ms in list(self.store.models().items()):
+            if ms.get("canary"):
+                canary = Canary.from_dict(model, ms["canary"])
+                self.canaries[model] = canary
+                if canary.pending is not None:
+                    await self._complete(canary)
+                elif not await self.control.ready(shadow_name(model), canary.candidate):
+                    try:
+                        await self.control.start_shadow(model, canary.candidate)
+                    except ControlError as exc:
+                        await self.decide(model, Judgement(PIN, (f"candidate could not be reloaded: {exc}",), {}),
+                                          "sidecar")  # fmt: skip
+            self._publish(model)
+
+    async def close(self) -> None:
+        for canary in self.canaries.values():
+            n = await canary.tasks.drain(timeout_s=1.0)
+            if n:
+                self.metrics.mirror_dropped.labels(canary.model, "candidate", "shutdown").inc(n)
+        if self._dirty:
+            for model, canary in self.canaries.items():
+                self.store.model(model)["canary"] = canary.to_dict()
+            await self._save()
+
+    async def _save(self) -> None:
+        self._dirty = False
+        await asyncio.to_thread(self.store.save, self.store.snapshot())
+
+    def _publish(self, model: str) -> None:
+        canary = self.canaries.get(model)
+        st = self.status(model)
+        outputs = tuple(t.output for t in canary.tolerance.tolerances if t.output != "*") if canary else ()
+        self.metrics.init_model(model, outputs)
+        self.metrics.set_state(model, st["state"])
+        self.metrics.live_version.labels(model).set(st["live"] or 0)
+        self.metrics.candidate_version.labels(model).set(canary.candidate if canary else 0)
+        self.metrics.canary_started.labels(model).set(canary.started if canary else 0)
+        self.metrics.canary_deadline.labels(model).set(canary.deadline if canary else 0)
+        if canary:
+            self.metrics.oot_budget.labels(model).set(canary.params.oot_budget)
+
+
+__all__ = ["INCONCLUSIVE", "PIN", "PROMOTE", "Canary", "CanaryError", "CanaryManager"]

@@ -1,0 +1,157 @@
+"""`tunegate sidecar` (run the proxy) and `tunegate canary start|status|promote|pin|decisions` (drive its admin API)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from sidecar.client import AdminClient, AdminError
+from sidecar.config import ConfigError, load_config, read_token
+from tunegate.console import CliError, emit_json, err, out
+from tunegate.records import atomic_write_text
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("sidecar", help="run the KServe v2 sidecar in front of Triton (mirror, judge, promote/pin)")
+    p.add_argument("--config", type=Path, help="TOML file (keys as the flags, plus a [canary] table of defaults)")
+    p.add_argument("--listen", help="host:port to listen on (default 127.0.0.1:8080; port 0 picks one)")
+    p.add_argument("--upstream", help="Triton's HTTP URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--state-dir", type=Path, help="where state.json and decisions.jsonl live")
+    p.add_argument("--repository", type=Path, help="the model repository Triton serves (shared with Triton)")
+    p.add_argument("--admin-token-file", type=Path, help="file holding the admin bearer token (read at startup)")
+    p.add_argument("--capture-dir", type=Path, help="write sampled requests here (tunegate.capture format)")
+    p.add_argument("--capture-rate", type=float, help="fraction of requests captured (default 0)")
+    p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (413 above)")
+    p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_sidecar)
+
+    c = sub.add_parser("canary", help="start, inspect, promote or pin a canary through the sidecar's admin API")
+    c.add_argument("--url", default=os.environ.get("TUNEGATE_SIDECAR_URL", "http://127.0.0.1:8080"),
+                   help="sidecar URL (env TUNEGATE_SIDECAR_URL)")  # fmt: skip
+    c.add_argument("--token-file", type=Path, default=None,
+                   help="admin token file (env TUNEGATE_ADMIN_TOKEN_FILE)")  # fmt: skip
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+    csub = c.add_subparsers(dest="canary_command", metavar="ACTION", required=True)
+    st = csub.add_parser("start", help="start a canary of a candidate version")
+    st.add_argument("model")
+    st.add_argument("candidate", type=int)
+    st.add_argument("--tolerance", type=Path, help="JSON tolerance spec (needed when the version has no release.json)")
+    st.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                    help="canary parameter, e.g. min_samples=200 deadline_s=120 sample_rate=0.5 (repeatable)")  # fmt: skip
+    for name, helptext in (("status", "show a model's canary (or all)"), ("promote", "promote the candidate now"),
+                           ("pin", "pin the baseline now"), ("decisions", "list decision records")):  # fmt: skip
+        a = csub.add_parser(name, help=helptext)
+        a.add_argument("model", nargs="?" if name in ("status", "decisions") else None)
+    c.set_defaults(func=cmd_canary)
+
+
+def cmd_sidecar(args: argparse.Namespace) -> int:
+    from sidecar.app import serve
+
+    overrides: dict[str, Any] = {
+        "listen": args.listen, "upstream": args.upstream, "state_dir": args.state_dir,
+        "repository": args.repository, "admin_token_file": args.admin_token_file,
+        "capture_dir": args.capture_dir, "capture_rate": args.capture_rate, "max_body_bytes": args.max_body_bytes,
+    }  # fmt: skip
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from exc
+
+    def ready(port: int) -> None:
+        err.print(f"[green]sidecar[/] listening on {config.listen_host}:{port} -> {config.upstream}")
+        if args.ready_file is not None:
+            atomic_write_text(args.ready_file, str(port))
+
+    async def main() -> None:
+        task = asyncio.ensure_future(serve(config, ready))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        import uvloop  # type: ignore[import-not-found]
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+    return 0
+
+
+def _parse_param(item: str) -> tuple[str, Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise CliError(f"--param needs KEY=VALUE, got {item!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def cmd_canary(args: argparse.Namespace) -> int:
+    token_file = args.token_file or os.environ.get("TUNEGATE_ADMIN_TOKEN_FILE")
+    if not token_file:
+        raise CliError("give --token-file (or set TUNEGATE_ADMIN_TOKEN_FILE)")
+    try:
+        admin = AdminClient(args.url, read_token(Path(token_file)))
+    except ConfigError as exc:
+        raise CliError(str(exc)) from exc
+    action = args.canary_command
+    try:
+        if action == "start":
+            tol = None
+            if args.tolerance is not None:
+                try:
+                    tol = json.loads(args.tolerance.read_text())
+                except (OSError, json.JSONDecodeError) as exc:
+                    raise CliError(f"cannot read tolerance {args.tolerance}: {exc}") from exc
+            result = admin.start(args.model, args.candidate, tol, **dict(_parse_param(p) for p in args.param))
+        elif action == "status":
+            result = admin.status(args.model)
+        elif action == "promote":
+            result = admin.promote(args.model)
+        elif action == "pin":
+            result = admin.pin(args.model)
+        else:
+            result = {"decisions": admin.decisions(args.model)}
+    except AdminError as exc:
+        raise CliError(str(exc), 2 if 400 <= exc.status < 500 else 1) from exc
+    if args.json:
+        emit_json(result)
+    elif action == "decisions":
+        _print_decisions(result["decisions"])
+    else:
+        _print_status(result if "models" in result else {"models": {result["model"]: result}})
+    return 0
+
+
+def _print_status(result: dict[str, Any]) -> None:
+    t = Table("model", "state", "live", "candidate", "compared", "out of tol.", "errors", "judge says")
+    for model, st in result["models"].items():
+        c = st.get("canary") or {}
+        ev = c.get("evidence", {})
+        j = c.get("judgement") or {}
+        says = (j.get("outcome", "") + ": " + "; ".join(j.get("reasons", []))) if j else ""
+        if not c and st.get("last"):
+            says = f"{st['last']['outcome']}: " + "; ".join(st["last"]["reasons"])
+        t.add_row(model, st["state"], str(st.get("live")), str(c.get("candidate", "")), str(ev.get("compared", "")),
+                  str(ev.get("out_of_tolerance", "")), str(ev.get("errors", "")), says)  # fmt: skip
+    out.print(t)
+
+
+def _print_decisions(recs: list[dict[str, Any]]) -> None:
+    t = Table("when (unix)", "model", "candidate", "baseline", "outcome", "by", "reasons")
+    for r in recs:
+        t.add_row(f"{r.get('at', 0):.0f}", r.get("model", ""), str(r.get("candidate")), str(r.get("baseline")),
+                  r.get("outcome", ""), r.get("decided_by", ""), "; ".join(r.get("reasons", [])))  # fmt: skip
+    out.print(t)

@@ -1,0 +1,186 @@
+"""Sidecar configuration: frozen, validated value classes built once at the edge (TOML file, flags, request bodies).
+
+`SidecarConfig` is the process; `CanaryParams` is one canary (the body of `POST /canary/{model}`),
+with defaults sized for the demo's timeline (20-60 req/s for 60-120 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from sidecar.judge import JudgeParams
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key."""
+
+
+def _fraction(name: str, v: float, *, open_low: bool = False) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise ConfigError(f"{name} must be a number, got {v!r}")
+    if not (0.0 < v <= 1.0 if open_low else 0.0 <= v <= 1.0):
+        raise ConfigError(f"{name} must be within {'(0, 1]' if open_low else '[0, 1]'}, got {v}")
+
+
+def _positive(name: str, v: float) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{name} must be a positive number, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryParams:
+    sample_rate: float = 1.0  # fraction of live requests mirrored to the candidate
+    aa_rate: float = 0.1  # fraction of mirrored requests also replayed to the baseline (noise floor)
+    max_in_flight: int = 8  # mirror requests in flight; beyond this, drop and count
+    timeout_s: float = 5.0  # a mirror request slower than this counts as a candidate timeout
+    min_samples: int = 300
+    deadline_s: float = 300.0
+    required_speedup: float = 1.0  # candidate must be this much faster (1.2 = 20% faster)
+    latency_slack: float = 0.05  # ... give or take this fraction
+    oot_budget: float = 0.005  # out-of-tolerance rate allowed above the A/A noise floor
+    error_budget: float = 0.01
+    confidence: float = 0.99
+
+    def __post_init__(self) -> None:
+        _fraction("sample_rate", self.sample_rate, open_low=True)
+        _fraction("aa_rate", self.aa_rate)
+        _fraction("oot_budget", self.oot_budget)
+        _fraction("error_budget", self.error_budget)
+        for name in ("timeout_s", "deadline_s", "required_speedup"):
+            _positive(name, getattr(self, name))
+        if not isinstance(self.latency_slack, (int, float)) or not 0.0 <= self.latency_slack < 10:
+            raise ConfigError(f"latency_slack must be within [0, 10), got {self.latency_slack!r}")
+        if not isinstance(self.confidence, float) or not 0.5 < self.confidence < 1.0:
+            raise ConfigError(f"confidence must be within (0.5, 1), got {self.confidence!r}")
+        for name in ("max_in_flight", "min_samples"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+    def judge_params(self) -> JudgeParams:
+        return JudgeParams(
+            min_samples=self.min_samples,
+            oot_budget=self.oot_budget,
+            error_budget=self.error_budget,
+            required_speedup=self.required_speedup,
+            latency_slack=self.latency_slack,
+            confidence=self.confidence,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], base: CanaryParams | None = None) -> CanaryParams:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown canary parameters {unknown}; known: {sorted(known)}")
+        values = {**(base or cls()).to_dict(), **raw}
+        for k in ("timeout_s", "deadline_s", "required_speedup", "latency_slack", "confidence",
+                  "sample_rate", "aa_rate", "oot_budget", "error_budget"):  # fmt: skip
+            if isinstance(values[k], int) and not isinstance(values[k], bool):
+                values[k] = float(values[k])
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class SidecarConfig:
+    upstream: str  # Triton's HTTP URL, e.g. http://triton:8000
+    state_dir: Path
+    repository: Path  # the model repository Triton serves (shared volume)
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    admin_token: str | None = None  # read from the token file at startup; None disables admin
+    canary: CanaryParams = CanaryParams()  # defaults for canaries started without a value
+    max_body_bytes: int = 64 << 20
+    upstream_timeout_s: float = 60.0
+    upstream_connections: int = 256
+    judge_interval_s: float = 1.0
+    capture_dir: Path | None = None
+    capture_rate: float = 0.0  # fraction of client requests captured
+    capture_max_per_second: float = 50.0
+    capture_max_file_bytes: int = 64 << 20
+    capture_max_files: int = 8
+
+    def __post_init__(self) -> None:
+        u = urlparse(self.upstream)
+        if u.scheme not in ("http", "https") or not u.netloc:
+            raise ConfigError(f"upstream must be an http(s) URL like http://127.0.0.1:8000, got {self.upstream!r}")
+        if not 0 <= self.listen_port <= 65535:
+            raise ConfigError(f"listen port must be within 0..65535, got {self.listen_port}")
+        if not Path(self.repository).is_dir():
+            raise ConfigError(f"repository {self.repository} is not a directory")
+        for name in ("upstream_timeout_s", "judge_interval_s", "capture_max_per_second"):
+            _positive(name, getattr(self, name))
+        for name in ("max_body_bytes", "upstream_connections", "capture_max_file_bytes", "capture_max_files"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        _fraction("capture_rate", self.capture_rate)
+        if self.capture_rate > 0 and self.capture_dir is None:
+            raise ConfigError("capture_rate > 0 needs capture_dir")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ConfigError("the admin token must be at least 16 characters")
+
+    @property
+    def upstream_base(self) -> str:
+        return self.upstream.rstrip("/")
+
+
+def read_token(path: Path) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the admin token file {path}: {exc.strerror}") from exc
+    if not token:
+        raise ConfigError(f"the admin token file {path} is empty")
+    return token
+
+
+def load_config(path: Path | None, overrides: Mapping[str, Any]) -> SidecarConfig:
+    """Build the config from a TOML file (optional) and flag overrides (None values are ignored).
+
+    TOML keys are SidecarConfig's fields plus `listen = "host:port"`, `admin_token_file` and a
+    `[canary]` table of CanaryParams defaults.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    canary = raw.pop("canary", {})
+    if not isinstance(canary, Mapping):
+        raise ConfigError("[canary] must be a table")
+    listen = raw.pop("listen", None)
+    if listen is not None:
+        host, sep, port = str(listen).rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"listen must be host:port, got {listen!r}")
+        raw["listen_host"], raw["listen_port"] = host or "127.0.0.1", int(port)
+    token_file = raw.pop("admin_token_file", None)
+    if token_file is not None:
+        raw["admin_token"] = read_token(Path(token_file))
+    for key in ("state_dir", "repository", "capture_dir"):
+        if raw.get(key) is not None:
+            raw[key] = Path(raw[key])
+    missing = [k for k in ("upstream", "state_dir", "repository") if raw.get(k) is None]
+    if missing:
+        raise ConfigError(f"missing required settings: {', '.join(missing)}")
+    known = {f.name for f in dataclasses.fields(SidecarConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"unknown settings {unknown}")
+    try:
+        return SidecarConfig(canary=CanaryParams.from_dict(canary), **raw)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from exc

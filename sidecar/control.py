@@ -1,0 +1,184 @@
+"""Canary control on Triton over HTTP (explicit model control) and the shared model repository.
+
+The candidate is never loaded under the model's own name before promotion (Triton answers an
+unversioned request from the highest *loaded* version). It is served as a shadow model
+`<m>__canary`: a directory beside `<m>` with a copy of its config (name rewritten, policy [C]) and
+a symlink `C -> ../<m>/C`. Promotion rewrites `<m>/config.pbtxt` to policy [C] atomically and
+reloads `<m>`; if anything fails the old config is restored and reloaded, so the baseline serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tunegate.records import atomic_write_text, fsync_dir
+from tunegate.repository import parse_version_policy, set_version_policy
+
+LOG = logging.getLogger(__name__)
+SHADOW_SUFFIX = "__canary"
+
+
+class ControlError(RuntimeError):
+    """Triton or the repository refused a control step; the message says which and why."""
+
+
+class PromotionError(ControlError):
+    """Promotion failed; the baseline was restored and keeps serving."""
+
+
+def shadow_name(model: str) -> str:
+    return f"{model}{SHADOW_SUFFIX}"
+
+
+def _rename_model(config_text: str, name: str) -> str:
+    text, n = re.subn(r'^(\s*name\s*:\s*)"[^"]*"', rf'\g<1>"{name}"', config_text, count=1, flags=re.M)
+    if n == 0:
+        text = f'name: "{name}"\n' + config_text
+    return text
+
+
+class TritonControl:
+    """Repository edits plus Triton's repository API, over an injected aiohttp session."""
+
+    def __init__(self, session: aiohttp.ClientSession, upstream: str, repository: Path, timeout_s: float = 300.0):
+        self.session = session
+        self.base = upstream.rstrip("/")
+        self.repository = Path(repository)
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    # -- repository ----------------------------------------------------------------------------
+    def config_path(self, model: str) -> Path:
+        return self.repository / model / "config.pbtxt"
+
+    def read_config(self, model: str) -> str:
+        path = self.config_path(model)
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise ControlError(f"model {model!r} has no readable config.pbtxt in {self.repository}") from exc
+
+    def policy(self, model: str) -> tuple[int, ...] | None:
+        return parse_version_policy(self.read_config(model))
+
+    def version_dir(self, model: str, version: int) -> Path:
+        return self.repository / model / str(version)
+
+    def release(self, model: str, version: int) -> dict[str, Any] | None:
+        path = self.version_dir(model, version) / "release.json"
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ControlError(f"{path} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ControlError(f"{path} must hold a JSON object")
+        return data
+
+    def write_shadow(self, model: str, candidate: int) -> Path:
+        """Lay out `<m>__canary/` (staged, then renamed into place); replaces a stale one."""
+        config = set_version_policy(_rename_model(self.read_config(model), shadow_name(model)), [candidate])
+        dest = self.repository / shadow_name(model)
+        staging = Path(tempfile.mkdtemp(prefix=f".{shadow_name(model)}.", dir=self.repository))
+        try:
+            os.symlink(f"../{model}/{candidate}", staging / str(candidate))
+            atomic_write_text(staging / "config.pbtxt", config)
+            os.chmod(staging, 0o755)
+            self.remove_shadow(model)
+            os.rename(staging, dest)
+            fsync_dir(self.repository)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return dest
+
+    def remove_shadow(self, model: str) -> None:
+        path = self.repository / shadow_name(model)
+        if path.exists() or path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            fsync_dir(self.repository)
+
+    # -- Triton --------------------------------------------------------------------------------
+    async def _post(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
+        try:
+            async with self.session.post(f"{self.base}{path}", json=body or {}, timeout=self.timeout) as resp:
+                return resp.status, await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise ControlError(f"POST {path}: Triton unreachable: {exc!r}") from exc
+
+    async def load(self, name: str) -> None:
+        status, text = await self._post(f"/v2/repository/models/{name}/load")
+        if status != 200:
+            raise ControlError(f"Triton refused to load {name!r} ({status}): {_error_text(text)}")
+
+    async def unload(self, name: str) -> None:
+        status, text = await self._post(f"/v2/repository/models/{name}/unload")
+        if status not in (200, 400):  # 400: not loaded, which is what we want anyway
+            raise ControlError(f"Triton refused to unload {name!r} ({status}): {_error_text(text)}")
+
+    async def ready(self, name: str, version: int | None = None) -> bool:
+        path = f"/v2/models/{name}" + (f"/versions/{version}" if version is not None else "") + "/ready"
+        try:
+            async with self.session.get(f"{self.base}{path}", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    # -- canary lifecycle ----------------------------------------------------------------------
+    async def start_shadow(self, model: str, candidate: int) -> None:
+        await asyncio.to_thread(self.write_shadow, model, candidate)
+        try:
+            await self.load(shadow_name(model))
+            if not await self.ready(shadow_name(model), candidate):
+                raise ControlError(f"{shadow_name(model)} version {candidate} is not ready after loading")
+        except BaseException:
+            with contextlib.suppress(ControlError):
+                await self.unload(shadow_name(model))
+            await asyncio.to_thread(self.remove_shadow, model)
+            raise
+
+    async def stop_shadow(self, model: str) -> None:
+        await self.unload(shadow_name(model))
+        await asyncio.to_thread(self.remove_shadow, model)
+
+    async def promote(self, model: str, candidate: int, baseline: int) -> None:
+        """Serve `candidate` as `<m>` (policy [C]); on any failure restore policy [baseline] and raise.
+
+        Idempotent, so a restarted sidecar can finish a promotion it was killed in the middle of.
+        """
+        text = await asyncio.to_thread(self.read_config, model)
+        old = set_version_policy(text, [baseline])
+        new = set_version_policy(text, [candidate])
+        await asyncio.to_thread(atomic_write_text, self.config_path(model), new)
+        try:
+            await self.load(model)
+            if not await self.ready(model, candidate):
+                raise ControlError(f"{model} version {candidate} is not ready after the reload")
+        except ControlError as exc:
+            LOG.error("promotion of %s v%s failed (%s); restoring the baseline", model, candidate, exc)
+            await asyncio.to_thread(atomic_write_text, self.config_path(model), old)
+            try:
+                await self.load(model)
+            except ControlError as again:
+                raise PromotionError(f"{exc}; restoring the baseline also failed: {again}") from exc
+            raise PromotionError(f"{exc}; the baseline was restored") from exc
+
+
+def _error_text(text: str) -> str:
+    with contextlib.suppress(ValueError):
+        doc = json.loads(text)
+        if isinstance(doc, dict) and "error" in doc:
+            return str(doc["error"])
+    return text[:500]

@@ -1,0 +1,118 @@
+"""The sidecar's durable state: live version and canary per model, evidence counters, pending decisions.
+
+`state.json` in the state directory is rewritten whole with an atomic write (temp, fsync, rename),
+so a killed sidecar leaves either the old state or the new one. Decision records go to
+`decisions.jsonl` (append-only, fsynced); a decision is keyed by its canary's id, so a restart
+that finds the record already written completes the action without writing it twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from sidecar.judge import Evidence
+from tunegate.records import JsonlLog, atomic_write_json
+
+STATE_VERSION = 1
+MAX_LATENCY_PAIRS = 4000  # the judge looks at the most recent pairs; older ones add little
+MAX_EXEMPLARS = 10
+
+
+class StateError(RuntimeError):
+    """The state file exists but cannot be used (the message says how to recover)."""
+
+
+@dataclasses.dataclass
+class EvidenceCounter:
+    """Mutable evidence of one canary, updated on the event loop and snapshotted for the judge."""
+
+    compared: int = 0
+    out_of_tolerance: int = 0
+    aa_compared: int = 0
+    aa_out_of_tolerance: int = 0
+    sent: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    primary_s: list[float] = dataclasses.field(default_factory=list)
+    candidate_s: list[float] = dataclasses.field(default_factory=list)
+    exemplars: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def add_pair(self, primary_s: float, candidate_s: float) -> None:
+        self.primary_s.append(primary_s)
+        self.candidate_s.append(candidate_s)
+        if len(self.primary_s) > MAX_LATENCY_PAIRS:
+            del self.primary_s[: len(self.primary_s) - MAX_LATENCY_PAIRS]
+            del self.candidate_s[: len(self.candidate_s) - MAX_LATENCY_PAIRS]
+
+    def add_exemplar(self, exemplar: dict[str, Any]) -> None:
+        if len(self.exemplars) < MAX_EXEMPLARS:
+            self.exemplars.append(exemplar)
+
+    def snapshot(self) -> Evidence:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(Evidence)}
+        values["primary_s"], values["candidate_s"] = tuple(self.primary_s), tuple(self.candidate_s)
+        return Evidence(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["primary_s"] = [round(x, 7) for x in self.primary_s]
+        d["candidate_s"] = [round(x, 7) for x in self.candidate_s]
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> EvidenceCounter:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+class StateStore:
+    """`state.json` (whole-file atomic rewrites) and `decisions.jsonl` (fsynced appends)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = Path(state_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "state.json"
+        self.decisions = JsonlLog(self.dir / "decisions.jsonl")
+        self._lock = threading.Lock()  # saves run in worker threads; keep them ordered
+        self.data: dict[str, Any] = self._load()
+
+    def _load(self) -> dict[str, Any]:
+        if not self.path.exists():
+            return {"version": STATE_VERSION, "models": {}}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise StateError(
+                f"{self.path} cannot be read ({exc}); it is written atomically, so this is not a torn write: "
+                "inspect it, or move it away to start with no live versions and no canary"
+            ) from exc
+        if not isinstance(data, dict) or data.get("version") != STATE_VERSION or not isinstance(data.get("models"), dict):
+            raise StateError(f"{self.path} is not a tunegate sidecar state file (version {STATE_VERSION})")
+        return data
+
+    def model(self, name: str) -> dict[str, Any]:
+        models: dict[str, Any] = self.data["models"]
+        return models.setdefault(name, {"live": None, "canary": None, "last": None})
+
+    def models(self) -> dict[str, dict[str, Any]]:
+        models: dict[str, dict[str, Any]] = self.data["models"]
+        return models
+
+    def save(self, snapshot: dict[str, Any]) -> None:
+        """Write a snapshot taken on the event loop (call from a worker thread)."""
+        with self._lock:
+            atomic_write_json(self.path, snapshot)
+
+    def snapshot(self) -> dict[str, Any]:
+        # A deep copy through JSON: the saving thread must not see the loop mutating lists.
+        return json.loads(json.dumps(self.data))
+
+    def decision_for(self, canary_id: str) -> dict[str, Any] | None:
+        for rec in self.decisions.read():
+            if rec.get("canary_id") == canary_id:
+                return rec
+        return None

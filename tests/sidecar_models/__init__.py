@@ -1,0 +1,43 @@
+"""Repository builder for the sidecar tests: models with a baseline v1 and candidate versions of chosen behaviour."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tunegate import codec
+from tunegate.repository import ModelConfig, TensorSpec, write_config, write_version
+
+MODEL_PY = Path(__file__).parent / "model.py"
+TOLERANCE = {"y": {"metric": "linf", "threshold": 1e-3}}
+TOKEN = "test-admin-token-0123456789"
+# Small canaries for tests: the statistics still decide, on fewer samples.
+FAST_PARAMS = {"min_samples": 60, "oot_budget": 0.05, "error_budget": 0.05, "confidence": 0.95,
+               "latency_slack": 0.5, "deadline_s": 60, "aa_rate": 0.2}  # fmt: skip
+
+
+def config(name: str) -> ModelConfig:
+    return ModelConfig(name, (TensorSpec("x", "FP32", (-1, 4)),), (TensorSpec("y", "FP32", (-1, 4)),), versions=(1,))
+
+
+def add_model(repo: Path, name: str, candidates: Mapping[int, dict[str, Any] | None],
+              release: bool = True) -> None:  # fmt: skip
+    """v1 is the exact baseline; each candidate version gets its behaviour (None: no behaviour.json)."""
+    write_version(repo, name, {"model.py": MODEL_PY.read_text(), "behaviour.json": "{}"}, version=1)
+    for v, behaviour in candidates.items():
+        files: dict[str, Path | bytes | str] = {"model.py": MODEL_PY.read_text()}
+        if behaviour is not None:
+            files["behaviour.json"] = json.dumps(behaviour)
+        write_version(repo, name, files, version=v, release={"tolerance": TOLERANCE} if release else None)
+    write_config(repo, config(name))
+
+
+def infer_body(rng: np.random.Generator, binary: bool = False) -> tuple[bytes, dict[str, str]]:
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    body, hl = codec.encode_request({"x": x}, binary=binary, binary_outputs=binary)
+    headers = {"Content-Type": "application/json"} if hl is None else {codec.HEADER: str(hl)}
+    return body, headers

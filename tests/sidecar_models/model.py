@@ -1,0 +1,42 @@
+"""Test model for the sidecar (python backend, numpy only): y = 2x, with a behaviour from behaviour.json.
+
+behaviour.json beside this file: {"noise": 0.0, "scale": 2.0, "delay_ms": 0, "fail": false, "nan": false}.
+A version without behaviour.json fails to load (used to make a promotion fail).
+"""
+
+import json
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        here = os.path.join(args["model_repository"], args["model_version"])
+        with open(os.path.join(here, "behaviour.json")) as f:
+            b = json.load(f)
+        self.scale = float(b.get("scale", 2.0))
+        self.noise = float(b.get("noise", 0.0))
+        self.delay_s = float(b.get("delay_ms", 0)) / 1000.0
+        self.fail = bool(b.get("fail", False))
+        self.nan = bool(b.get("nan", False))
+        self.rng = np.random.default_rng(0)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if self.fail:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("candidate is broken")))
+                continue
+            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            y = (x * self.scale).astype(np.float32)
+            if self.noise:
+                y = y + self.rng.uniform(-self.noise, self.noise, y.shape).astype(np.float32)
+            if self.nan:
+                y[..., 0] = np.nan
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("y", y)]))
+        return responses

@@ -1,0 +1,341 @@
+"""The sidecar against a real Triton serving small python-backend models: canary outcomes, routing, control, metrics.
+
+One Triton serves every model of this module (each test owns its model names); each test runs its
+own sidecar on port 0 with a fresh state directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from sidecar.app import build_app
+from sidecar.config import CanaryParams, SidecarConfig
+from sidecar.control import shadow_name
+from tests.sidecar_models import FAST_PARAMS, TOKEN, add_model, infer_body
+from tunegate import codec
+from tunegate.capture import load_capture
+from tunegate.repository import parse_version_policy
+from tunegate.triton import EmbeddedTriton, TritonOptions
+
+pytestmark = pytest.mark.triton
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+MODELS = {
+    "good": {2: {"noise": 1e-5}},  # within the linf 1e-3 tolerance
+    "wrong": {2: {"scale": 2.5}},
+    "slow": {2: {"delay_ms": 120}},
+    "failing": {2: {"fail": True}},
+    "nans": {2: {"nan": True}},
+    "promofail": {2: {}},
+    "plain": {2: {}},
+}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("sidecar-repo")
+    for name, cands in MODELS.items():
+        add_model(repo, name, cands, release=name != "wrong")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def triton(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
+    server = EmbeddedTriton(TritonOptions(repository=repo, models=tuple(MODELS)), workdir=tmp_path_factory.mktemp("t"))
+    server.start()
+    yield server
+    server.stop()
+
+
+class Sidecar:
+    def __init__(self, url: str, app: web.Application, registry: CollectorRegistry, state_dir: Path) -> None:
+        self.url, self.app, self.registry, self.state_dir = url, app, registry, state_dir
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+async def start_sidecar(triton: EmbeddedTriton, repo: Path, state_dir: Path, **kw: Any) -> tuple[web.AppRunner, Sidecar]:
+    registry = CollectorRegistry()
+    cfg = SidecarConfig(upstream=triton.http_url, state_dir=state_dir, repository=repo, listen_port=0,
+                        admin_token=TOKEN, judge_interval_s=0.2, canary=CanaryParams(), **kw)  # fmt: skip
+    app = build_app(cfg, registry)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, Sidecar(f"http://127.0.0.1:{port}", app, registry, state_dir)
+
+
+@pytest.fixture
+async def sidecar(triton: EmbeddedTriton, repo: Path, tmp_path: Path) -> AsyncIterator[Sidecar]:
+    runner, sc = await start_sidecar(triton, repo, tmp_path / "state", max_body_bytes=1 << 20)
+    yield sc
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def drive(client: aiohttp.ClientSession, url: str, model: str, *, until_decided: bool = True,
+                requests: int = 50000, concurrency: int = 4, timeout_s: float = 90) -> dict[str, Any]:  # fmt: skip
+    """Send infer requests until the canary decides (or `requests` are sent); record what the client saw."""
+    rng = np.random.default_rng(0)
+    codes: list[int] = []
+    latencies: list[float] = []
+    versions: set[str] = set()
+    stop = asyncio.Event()
+    deadline = time.monotonic() + timeout_s
+
+    async def worker() -> None:
+        while not stop.is_set() and len(codes) < requests and time.monotonic() < deadline:
+            body, headers = infer_body(rng)
+            t0 = time.perf_counter()
+            async with client.post(f"{url}/v2/models/{model}/infer", data=body, headers=headers) as r:
+                raw = await r.read()
+            latencies.append(time.perf_counter() - t0)
+            codes.append(r.status)
+            if r.status == 200:
+                versions.add(json.loads(raw)["model_version"])
+
+    async def watcher() -> None:
+        while not stop.is_set() and time.monotonic() < deadline:
+            async with client.get(f"{url}/canary/{model}", headers=AUTH) as r:
+                st = await r.json()
+            if st["state"] in ("promoted", "pinned"):
+                stop.set()
+            await asyncio.sleep(0.2)
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+    if until_decided:
+        tasks.append(asyncio.ensure_future(watcher()))
+    await asyncio.gather(*tasks[:concurrency])
+    stop.set()
+    await asyncio.gather(*tasks)
+    return {"codes": codes, "latencies": latencies, "versions": versions}
+
+
+async def start_canary(client: aiohttp.ClientSession, sc: Sidecar, model: str, **body: Any) -> tuple[int, Any]:
+    async with client.post(f"{sc.url}/canary/{model}", json={"candidate": 2, **FAST_PARAMS, **body},
+                           headers=AUTH) as r:  # fmt: skip
+        return r.status, await r.json()
+
+
+async def direct_version(client: aiohttp.ClientSession, triton: EmbeddedTriton, model: str) -> str:
+    """Which version Triton itself gives a client that bypasses the sidecar."""
+    body, headers = infer_body(np.random.default_rng(1))
+    async with client.post(f"{triton.http_url}/v2/models/{model}/infer", data=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        return str((await r.json())["model_version"])
+
+
+def decisions(sc: Sidecar) -> list[dict[str, Any]]:
+    path = sc.state_dir / "decisions.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+async def test_good_candidate_is_promoted(sidecar: Sidecar, client: aiohttp.ClientSession,
+                                          triton: EmbeddedTriton, repo: Path) -> None:  # fmt: skip
+    code, st = await start_canary(client, sidecar, "good")
+    assert code == 201, st
+    assert st["canary"]["tolerance_source"] == "release.json"
+    # During the canary a client that bypasses the sidecar still gets the baseline.
+    assert await direct_version(client, triton, "good") == "1"
+    assert (repo / shadow_name("good") / "2").resolve() == (repo / "good" / "2").resolve()
+    seen = await drive(client, sidecar.url, "good")
+    assert set(seen["codes"]) == {200}
+    [rec] = decisions(sidecar)
+    assert rec["outcome"] == "promote", rec["reasons"]
+    assert rec["evidence"]["compared"] >= FAST_PARAMS["min_samples"] and rec["evidence"]["aa_compared"] > 0
+    assert parse_version_policy((repo / "good" / "config.pbtxt").read_text()) == (2,)
+    assert await direct_version(client, triton, "good") == "2"
+    assert not (repo / shadow_name("good")).exists()
+    assert not any(m["name"] == shadow_name("good") and m.get("state") == "READY" for m in triton.index())
+    assert sidecar.metric("tunegate_decisions_total", model="good", outcome="promote") == 1
+    assert sidecar.metric("tunegate_live_version", model="good") == 2
+    assert sidecar.metric("tunegate_comparisons_total", model="good", output="y", role="aa") > 0
+    # The sidecar now routes unversioned requests to the promoted version.
+    seen = await drive(client, sidecar.url, "good", until_decided=False, requests=5, concurrency=1)
+    assert seen["versions"] == {"2"}
+
+
+async def test_wrong_candidate_is_pinned_with_exemplars(sidecar: Sidecar, client: aiohttp.ClientSession,
+                                                        triton: EmbeddedTriton, repo: Path) -> None:  # fmt: skip
+    code, st = await start_canary(client, sidecar, "wrong", tolerance=None)
+    assert code == 400 and "no release.json" in st["error"]  # no release record: a tolerance must be given
+    code, st = await start_canary(client, sidecar, "wrong", tolerance={"y": {"metric": "linf", "threshold": 1e-3}})
+    assert code == 201 and st["canary"]["tolerance_source"] == "request"
+    seen = await drive(client, sidecar.url, "wrong")
+    assert set(seen["codes"]) == {200} and seen["versions"] == {"1"}
+    [rec] = decisions(sidecar)
+    assert rec["outcome"] == "pin" and "out of tolerance" in rec["reasons"][0]
+    ex = rec["exemplars"][0]
+    assert ex["kind"] == "out_of_tolerance" and len(ex["request_id"]) == 32 and "linf" in ex["reasons"][0]
+    assert parse_version_policy((repo / "wrong" / "config.pbtxt").read_text()) == (1,)
+    assert await direct_version(client, triton, "wrong") == "1"
+    assert sidecar.metric("tunegate_out_of_tolerance_total", model="wrong", output="y", role="candidate") > 0
+    assert sidecar.metric("tunegate_decisions_total", model="wrong", outcome="pin") == 1
+
+
+async def test_nan_candidate_is_pinned(sidecar: Sidecar, client: aiohttp.ClientSession) -> None:
+    assert (await start_canary(client, sidecar, "nans"))[0] == 201
+    await drive(client, sidecar.url, "nans")
+    [rec] = decisions(sidecar)
+    assert rec["outcome"] == "pin" and "non-finite" in rec["exemplars"][0]["reasons"][0]
+
+
+async def test_failing_candidate_is_pinned_with_no_client_error(sidecar: Sidecar,
+                                                                client: aiohttp.ClientSession) -> None:  # fmt: skip
+    assert (await start_canary(client, sidecar, "failing"))[0] == 201
+    seen = await drive(client, sidecar.url, "failing")
+    assert len(seen["codes"]) > 0 and set(seen["codes"]) == {200}
+    [rec] = decisions(sidecar)
+    assert rec["outcome"] == "pin" and "candidate failed" in rec["reasons"][0]
+    assert "candidate is broken" in rec["exemplars"][0]["detail"]
+    assert sidecar.metric("tunegate_mirror_errors_total", model="failing", version="2", role="candidate",
+                          kind="error") > 0  # fmt: skip
+
+
+async def test_slow_candidate_is_pinned_and_clients_do_not_wait(sidecar: Sidecar,
+                                                                client: aiohttp.ClientSession) -> None:  # fmt: skip
+    assert (await start_canary(client, sidecar, "slow", max_in_flight=4))[0] == 201
+    seen = await drive(client, sidecar.url, "slow")
+    [rec] = decisions(sidecar)
+    assert rec["outcome"] == "pin" and "slower" in rec["reasons"][0]
+    lat = np.asarray(seen["latencies"])
+    # The candidate takes 120 ms per request; the client path never waits for it.
+    assert np.quantile(lat, 0.95) < 0.06, np.quantile(lat, [0.5, 0.95, 0.99])
+    assert sidecar.metric("tunegate_mirror_dropped_total", model="slow", role="candidate", reason="full") > 0
+
+
+async def test_failed_promotion_leaves_the_baseline_serving(sidecar: Sidecar, client: aiohttp.ClientSession,
+                                                            triton: EmbeddedTriton, repo: Path) -> None:  # fmt: skip
+    assert (await start_canary(client, sidecar, "promofail"))[0] == 201
+    # The candidate's files break after its canary was loaded: loading it as the model itself fails.
+    (repo / "promofail" / "2" / "behaviour.json").unlink()
+    async with client.post(f"{sidecar.url}/canary/promofail/promote", headers=AUTH) as r:
+        st = await r.json()
+    assert r.status == 200 and st["state"] == "pinned" and st["live"] == 1
+    [rec] = decisions(sidecar)
+    assert rec["outcome"] == "pin" and rec["decided_by"] == "operator"
+    assert "promotion failed" in rec["reasons"][-1]
+    assert parse_version_policy((repo / "promofail" / "config.pbtxt").read_text()) == (1,)
+    assert await direct_version(client, triton, "promofail") == "1"
+    seen = await drive(client, sidecar.url, "promofail", until_decided=False, requests=5, concurrency=1)
+    assert set(seen["codes"]) == {200} and seen["versions"] == {"1"}
+
+
+async def test_admin_requires_the_token(sidecar: Sidecar, client: aiohttp.ClientSession) -> None:
+    for method, path in (("GET", "/canary"), ("GET", "/canary/plain"), ("POST", "/canary/plain"),
+                         ("POST", "/canary/plain/promote"), ("POST", "/canary/plain/pin"), ("GET", "/decisions")):  # fmt: skip
+        async with client.request(method, f"{sidecar.url}{path}", json={"candidate": 2}) as r:
+            assert r.status == 401, path
+        async with client.request(method, f"{sidecar.url}{path}", json={"candidate": 2},
+                                  headers={"Authorization": "Bearer wrong-token-0123456789"}) as r:  # fmt: skip
+            assert r.status == 403, path
+    async with client.post(f"{sidecar.url}/v2/repository/models/plain/load") as r:
+        assert r.status == 403  # model control only through the admin API
+    async with client.post(f"{sidecar.url}/canary/plain", headers=AUTH, json={"candidate": 2, "sample_rate": 3}) as r:
+        assert r.status == 400 and "sample_rate" in (await r.json())["error"]
+    async with client.post(f"{sidecar.url}/canary/plain", headers=AUTH, json={"candidate": 9}) as r:
+        assert r.status == 404
+
+
+async def test_bad_requests_get_tritons_answer_and_the_sidecar_stays_up(
+    sidecar: Sidecar, client: aiohttp.ClientSession, triton: EmbeddedTriton
+) -> None:
+    url = f"{sidecar.url}/v2/models/plain/infer"
+    bad = [
+        b"{not json",
+        json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 5], "data": [0.0] * 10}]}).encode(),
+        json.dumps({"inputs": [{"name": "x", "datatype": "INT8", "shape": [1, 4], "data": [1, 2, 3, 4]}]}).encode(),
+    ]
+    for body in bad:
+        async with client.post(url, data=body) as r:
+            via = (r.status, await r.read())
+        async with client.post(f"{triton.http_url}/v2/models/plain/infer", data=body) as r:
+            direct = (r.status, await r.read())
+        assert via == direct and via[0] >= 400, via  # Triton's own answer, unchanged
+    async with client.post(f"{sidecar.url}/v2/models/nope/infer", data=bad[1]) as r:
+        assert r.status in (400, 404) and "nope" in await r.text()
+    async with client.post(url, data=io.BytesIO(b"x" * (2 << 20))) as r:
+        assert r.status == 413
+    seen = await drive(client, sidecar.url, "plain", until_decided=False, requests=3, concurrency=1)
+    assert set(seen["codes"]) == {200}
+    for path in ("/v2/health/ready", "/v2/models/plain", "/v2/models/plain/config", "/v2"):
+        async with client.get(f"{sidecar.url}{path}") as r, client.get(f"{triton.http_url}{path}") as d:
+            assert r.status == d.status == 200 and await r.read() == await d.read(), path
+
+
+def test_stock_tritonclient_http_works_through_the_sidecar(sidecar_process_url: str) -> None:
+    import tritonclient.http as httpclient
+
+    c = httpclient.InferenceServerClient(sidecar_process_url.removeprefix("http://"))
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    for binary in (True, False):
+        inp = httpclient.InferInput("x", [2, 4], "FP32")
+        inp.set_data_from_numpy(x, binary_data=binary)
+        out = httpclient.InferRequestedOutput("y", binary_data=binary)
+        res = c.infer("plain", [inp], outputs=[out])
+        np.testing.assert_array_equal(res.as_numpy("y"), x * 2)
+    assert c.is_server_live() and c.is_model_ready("plain")
+    assert c.get_model_metadata("plain")["name"] == "plain"
+    c.close()
+
+
+async def test_stock_tritonclient_aio_works_through_the_sidecar(sidecar: Sidecar) -> None:
+    import tritonclient.http.aio as aioclient
+
+    c = aioclient.InferenceServerClient(sidecar.url.removeprefix("http://"))
+    try:
+        x = np.ones((2, 4), dtype=np.float32)
+        inp = aioclient.InferInput("x", [2, 4], "FP32")
+        inp.set_data_from_numpy(x)
+        res = await c.infer("plain", [inp], model_version="1")
+        np.testing.assert_array_equal(res.as_numpy("y"), x * 2)
+        assert await c.is_model_ready("plain")
+    finally:
+        await c.close()
+
+
+async def test_capture_and_metrics(triton: EmbeddedTriton, repo: Path, tmp_path: Path,
+                                   client: aiohttp.ClientSession) -> None:  # fmt: skip
+    runner, sc = await start_sidecar(triton, repo, tmp_path / "s", capture_dir=tmp_path / "cap", capture_rate=1.0)
+    try:
+        body, headers = infer_body(np.random.default_rng(3), binary=True)
+        for _ in range(3):
+            async with client.post(f"{sc.url}/v2/models/plain/versions/1/infer", data=body, headers=headers) as r:
+                assert r.status == 200
+        async with client.get(f"{sc.url}/metrics") as r:
+            text = await r.text()
+        assert 'tunegate_requests_total{code="200",model="plain",role="primary",version="1"} 3.0' in text
+        assert "tunegate_request_duration_seconds_bucket" in text
+    finally:
+        await runner.cleanup()
+    recs = load_capture(tmp_path / "cap")
+    assert len(recs) == 3 and recs[0].body == body and recs[0].version == "1"
+    assert recs[0].decode().arrays()["x"].shape == (2, 4)
+    assert recs[0].header_length == int(headers[codec.HEADER])
+
+
+@pytest.fixture
+def sidecar_process_url(triton: EmbeddedTriton, repo: Path, tmp_path: Path) -> Iterator[str]:
+    from sidecar.client import SidecarProcess
+
+    with SidecarProcess(upstream=triton.http_url, state_dir=tmp_path / "st", repository=repo) as sc:
+        yield sc.url
