@@ -69,7 +69,8 @@ def bench_paired(
         for _ in range(warmup):
             baseline(shape.feeds)
             candidate(shape.feeds)
-        tc, tb = [], []
+        tc: list[float] = []
+        tb: list[float] = []
         for _ in range(repeats):
             for runner, times in ((baseline, tb), (candidate, tc)):
                 t0 = time.perf_counter()

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -98,13 +99,14 @@ def _random_feeds(descs: list[InputDesc], spec: InputsSection, shape: Shape, rng
     feeds = {}
     for d in descs:
         dims = _shape_of(d, shape.batch, shape.sequence)
+        arr: Any
         if d.dtype.kind == "f":
             if spec.values == "uniform":
                 arr = rng.uniform(spec.mean - spec.std, spec.mean + spec.std, dims)
             else:
                 arr = rng.normal(spec.mean, spec.std, dims)
         elif d.dtype.kind in "iu":
-            arr = rng.integers(0, max(2, int(spec.std) or 2), dims)
+            arr = rng.integers(0, max(2, int(spec.std)), dims)  # integer inputs: uniform in [0, max(2, std))
         elif d.dtype.kind == "b":
             arr = rng.integers(0, 2, dims).astype(bool)
         else:

@@ -77,7 +77,7 @@ class Runner(Protocol):
 def save_batches(path: Path, batches: list[dict[str, np.ndarray]]) -> None:
     arrays = {f"{i:05d}/{name}": arr for i, feeds in enumerate(batches) for name, arr in feeds.items()}
     with open(path, "wb") as f:
-        np.savez(f, **arrays)  # type: ignore[arg-type]
+        np.savez(f, **arrays)
 
 
 def load_batches(path: Path) -> list[dict[str, np.ndarray]]:
