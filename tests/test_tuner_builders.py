@@ -10,13 +10,13 @@ import onnx
 import pytest
 
 from tests.test_tuner_search import tiny_project
+from tunegate import models
 from tuner.builders import BuildError, get_builder
 from tuner.builders.base import BuildContext, save_batches
 from tuner.builders.ort import ort_runner
 from tuner.builders.worker import run_build
 from tuner.search import tune
 from tuner.spec import load_spec
-from tunegate import models
 
 X = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
 
