@@ -1,0 +1,287 @@
+"""Live observability: a real Prometheus (with compose's scrape config and alert rules) scrapes a real sidecar
+and a real embedded Triton through two short canaries of the tiny model:
+
+  A. a good candidate (same weights as the baseline) under canary, then promoted through the admin API;
+  B. a bad candidate (other weights) that the judge pins: the scripted bad scenario;
+  C. the sidecar stopped: Prometheus loses its target.
+
+Then every dashboard panel's PromQL returns data over the run, every alert rule evaluates without error,
+`TunegateCanaryPinned` fires after B (and not before), `TunegateSidecarDown` is pending after C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+import pytest
+import yaml
+
+from sidecar.client import AdminClient, SidecarProcess, write_token_file
+from tests.conftest import http, http_json
+from tests.prometheus_support import (
+    COMPOSE,
+    PROM_DIR,
+    PrometheusServer,
+    finite_points,
+    load_yaml,
+    prometheus_binaries,
+    running_prometheus,
+)
+from tunegate import models
+from tunegate.repository import onnx_version_files, write_config, write_version
+from tunegate.triton import EmbeddedTriton, TritonOptions
+
+pytestmark = pytest.mark.triton
+
+MODEL = "tiny"
+TOKEN = "live-test-admin-token"
+# Same weights agree to float rounding; other weights are far outside.
+TOLERANCE = {"y": {"metric": "linf", "threshold": 1e-4}, "score": {"metric": "linf", "threshold": 1e-4}}
+DASHBOARD = json.loads(
+    (COMPOSE / "grafana" / "dashboards" / "tunegate-canary.json").read_text(encoding="utf-8")
+)
+PANEL_TARGETS = [
+    pytest.param(t["expr"], id=f"{p['title']}[{t['refId']}]")
+    for p in DASHBOARD["panels"]
+    for t in p["targets"]
+]
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float, interval_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+class Traffic:
+    """Client requests through the sidecar from a background thread, at a steady rate."""
+
+    def __init__(self, url: str, rate_hz: float = 25) -> None:
+        rng = np.random.default_rng(0)
+        self.bodies = [
+            json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [n, 16],
+                                    "data": rng.standard_normal(n * 16).round(4).tolist()}]}).encode()
+            for n in (1, 2, 4, 8)
+        ]  # fmt: skip
+        self.url, self.period = f"{url}/v2/models/{MODEL}/infer", 1.0 / rate_hz
+        self.codes: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="traffic", daemon=True)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            code, _h, _b = http(
+                "POST", self.url, self.bodies[i % len(self.bodies)], {"Content-Type": "application/json"}
+            )
+            self.codes[code] = self.codes.get(code, 0) + 1
+            i += 1
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+# -- the run -----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LiveRun:
+    prometheus: PrometheusServer
+    triton: EmbeddedTriton
+    start: float
+    end: float = 0.0
+    alerts_before_bad: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    alerts_after_bad: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    alerts_after_down: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    client_codes: dict[int, int] = dataclasses.field(default_factory=dict)
+    bad_status: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def substitute(self, expr: str) -> str:
+        """Grafana's variables as Grafana would expand them for this run (1 s scrapes)."""
+        span = max(10, math.ceil(self.end - self.start) + 5)
+        return expr.replace("$__rate_interval", "5s").replace("$__range", f"{span}s").replace("$model", MODEL)
+
+    def query_range(self, expr: str) -> list[dict[str, Any]]:
+        return self.prometheus.query_range(self.substitute(expr), self.start, self.end, step=1.0)
+
+    def value(self, expr: str) -> float:
+        result = self.prometheus.api("query", query=expr)["result"]
+        return max((float(s["value"][1]) for s in result), default=float("nan"))
+
+
+def tiny_repository(root: Path) -> Path:
+    """tiny v1 (baseline), v2 (same weights: a good candidate), v3 (other weights: a bad one)."""
+    repo = root / "repo"
+    for version, seed in ((1, 0), (2, 0), (3, 7)):
+        onnx = models.build_tiny(root / f"tiny-{seed}.onnx", seed=seed)
+        write_version(repo, MODEL, onnx_version_files(onnx), version=version)
+    write_config(repo, dataclasses.replace(models.tiny_config(MODEL), versions=(1,)))
+    return repo
+
+
+def live_prometheus_config(dest: Path, sidecar: str, triton_metrics: str) -> Path:
+    """compose's prometheus.yml with the live targets and 1 s intervals; the same jobs and rules."""
+    cfg = load_yaml(PROM_DIR / "prometheus.yml")
+    cfg["global"].update(scrape_interval="1s", scrape_timeout="900ms", evaluation_interval="1s")
+    cfg["rule_files"] = [str(PROM_DIR / pattern) for pattern in cfg["rule_files"]]
+    targets = {"tunegate-sidecar": sidecar, "triton": triton_metrics}
+    for job in cfg["scrape_configs"]:
+        job["static_configs"] = [{"targets": [targets.pop(job["job_name"])]}]
+    assert not targets, f"compose's prometheus.yml lacks jobs {sorted(targets)}"
+    dest.write_text(yaml.safe_dump(cfg))
+    return dest
+
+
+def alerts(prom: PrometheusServer) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = prom.api("alerts")["alerts"]
+    return result
+
+
+def alert_state(found: list[dict[str, Any]], name: str) -> str:
+    states = [a["state"] for a in found if a["labels"]["alertname"] == name]
+    return states[0] if states else "inactive"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
+    prom_bin, _tool = prometheus_binaries()
+    root = tmp_path_factory.mktemp("live")
+    repo = tiny_repository(root)
+    triton = EmbeddedTriton(TritonOptions(repository=repo, models=(MODEL,)), workdir=root / "triton")
+    triton.start()
+    sidecar = SidecarProcess(
+        upstream=triton.http_url, state_dir=root / "state", repository=repo,
+        token_file=write_token_file(root / "token", TOKEN), log_path=root / "sidecar.log",
+    )  # fmt: skip
+    try:
+        sidecar.start()
+        admin = AdminClient(sidecar.url, TOKEN)
+        config = live_prometheus_config(
+            root / "prometheus.yml", f"127.0.0.1:{sidecar.port}", f"127.0.0.1:{triton.metrics_port}"
+        )
+        with running_prometheus(prom_bin, config, root) as prom:
+            run = LiveRun(prometheus=prom, triton=triton, start=time.time())
+            with Traffic(sidecar.url) as traffic:
+                # A: a good candidate under canary (no judge decision in this phase), promoted by an operator.
+                admin.start(MODEL, 2, TOLERANCE, min_samples=100000, deadline_s=600, aa_rate=0.5)
+                wait_for("candidate comparisons in Prometheus", lambda: run.value(
+                    f'sum(tunegate_comparisons_total{{model="{MODEL}", role="candidate"}})') >= 100, 90)  # fmt: skip
+                run.alerts_before_bad = alerts(prom)
+                admin.promote(MODEL)
+                wait_for(
+                    "live version 2", lambda: run.value(f'tunegate_live_version{{model="{MODEL}"}}') == 2, 30
+                )
+                # B: a bad candidate; the judge pins it on out-of-tolerance outputs after ~10 mirrors.
+                # A lower sample rate spreads those over a few scrapes, so rates over them exist.
+                admin.start(MODEL, 3, TOLERANCE, min_samples=50, deadline_s=600, aa_rate=0.5, sample_rate=0.15)
+                run.bad_status = admin.wait_decision(MODEL, timeout_s=120)
+                wait_for("TunegateCanaryPinned firing",
+                         lambda: alert_state(alerts(prom), "TunegateCanaryPinned") == "firing", 30)  # fmt: skip
+                run.alerts_after_bad = alerts(prom)
+                time.sleep(3)  # a few more scrapes of the client path after the decision
+            run.client_codes = dict(traffic.codes)
+            # C: the sidecar goes away.
+            sidecar.stop()
+            wait_for("TunegateSidecarDown pending",
+                     lambda: alert_state(alerts(prom), "TunegateSidecarDown") == "pending", 30)  # fmt: skip
+            run.alerts_after_down = alerts(prom)
+            run.end = time.time()
+            yield run
+        assert prom.proc is None, "Prometheus left running"
+    finally:
+        sidecar.stop()
+        triton.stop()
+
+
+# -- the checks --------------------------------------------------------------------------------------------
+
+
+def test_prometheus_scraped_the_sidecar_and_triton(live: LiveRun) -> None:
+    jobs = {"tunegate-sidecar", "triton"}
+    for job in jobs:
+        assert live.prometheus.query_range(f'up{{job="{job}"}} == 1', live.start, live.end), job
+    # Clients were served throughout both canaries.
+    assert live.client_codes and set(live.client_codes) == {200}, live.client_codes
+
+
+@pytest.mark.parametrize("expr", PANEL_TARGETS)
+def test_every_panel_query_returns_data(live: LiveRun, expr: str) -> None:
+    result = live.query_range(expr)
+    assert finite_points(result) > 0, f"no data for {live.substitute(expr)}"
+
+
+def test_the_model_variable_and_the_decision_annotations(live: LiveRun) -> None:
+    (var,) = DASHBOARD["templating"]["list"]
+    metric = var["definition"].removeprefix("label_values(").split(",")[0]
+    assert MODEL in live.prometheus.api("label/model/values", **{"match[]": metric})
+    (annotation,) = DASHBOARD["annotations"]["list"]
+    outcomes = {s["metric"]["outcome"] for s in live.query_range(annotation["expr"]) if finite_points([s])}
+    assert outcomes == {"promote", "pin"}
+
+
+def test_latency_is_split_by_version_and_role(live: LiveRun) -> None:
+    (p50, _p95) = next(p for p in DASHBOARD["panels"] if p["title"].startswith("Latency"))["targets"]
+    seen = {
+        (s["metric"].get("version", ""), s["metric"]["role"])
+        for s in live.query_range(p50["expr"])
+        if finite_points([s])
+    }
+    assert {("1", "primary"), ("2", "candidate"), ("2", "primary"), ("3", "candidate")} <= seen
+
+
+def test_triton_panels_see_the_shadow_model(live: LiveRun) -> None:
+    queue = next(p for p in DASHBOARD["panels"] if p["title"] == "Triton queue time per request")["targets"][
+        0
+    ]
+    models_seen = {s["metric"]["model"] for s in live.query_range(queue["expr"]) if finite_points([s])}
+    assert models_seen == {MODEL, f"{MODEL}__canary"}
+
+
+def test_triton_is_the_release_compose_pins(live: LiveRun) -> None:
+    code, meta = http_json("GET", f"{live.triton.http_url}/v2")
+    tag = load_yaml(COMPOSE / "docker-compose.yml")["services"]["triton"]["image"].rsplit(":", 1)[1]
+    yy, mm = (int(x) for x in tag.removesuffix("-py3").split("."))
+    assert code == 200 and meta["version"].startswith(f"2.{12 * (yy - 24) + mm + 41}.")
+
+
+def test_every_alert_rule_evaluates(live: LiveRun) -> None:
+    rules = [r for g in live.prometheus.api("rules")["groups"] for r in g["rules"]]
+    names = {str(r["alert"]) for path in sorted((PROM_DIR / "rules").glob("*.yml"))
+             for g in load_yaml(path)["groups"] for r in g["rules"]}  # fmt: skip
+    assert {r["name"] for r in rules} == names
+    for rule in rules:
+        assert rule["health"] == "ok" and not rule.get("lastError"), rule
+        assert not rule["lastEvaluation"].startswith("0001"), f"{rule['name']} never evaluated"
+
+
+def test_the_bad_canary_fires_the_pinned_alert(live: LiveRun) -> None:
+    assert live.bad_status["state"] == "pinned" and live.bad_status["last"]["outcome"] == "pin"
+    assert alert_state(live.alerts_before_bad, "TunegateCanaryPinned") == "inactive"
+    (fired,) = [a for a in live.alerts_after_bad if a["labels"]["alertname"] == "TunegateCanaryPinned"]
+    assert fired["state"] == "firing" and fired["labels"]["model"] == MODEL
+    # Nothing else fired: the mirror kept up, the candidate answered, the judge decided in time.
+    assert {a["labels"]["alertname"] for a in live.alerts_after_bad if a["state"] == "firing"} == {
+        "TunegateCanaryPinned"
+    }
+
+
+def test_losing_the_sidecar_raises_the_down_alert(live: LiveRun) -> None:
+    assert alert_state(live.alerts_after_bad, "TunegateSidecarDown") == "inactive"
+    assert alert_state(live.alerts_after_down, "TunegateSidecarDown") == "pending"
