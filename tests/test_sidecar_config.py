@@ -1,0 +1,84 @@
+"""Sidecar configuration at the edge: TOML plus flags, validated once, clear errors; the bounded mirror task set."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sidecar.config import CanaryParams, ConfigError, load_config
+from sidecar.mirror import BoundedTasks
+
+
+def test_toml_and_flags(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("0123456789abcdef-token\n")
+    cfg_file = tmp_path / "s.toml"
+    cfg_file.write_text(
+        f'listen = "0.0.0.0:9000"\nupstream = "http://triton:8000"\nrepository = "{tmp_path}"\n'
+        f'state_dir = "{tmp_path / "st"}"\nadmin_token_file = "{tmp_path / "token"}"\n'
+        "[canary]\nmin_samples = 50\ndeadline_s = 120\n"
+    )
+    cfg = load_config(cfg_file, {"upstream": "http://127.0.0.1:8001", "listen": None})
+    assert (cfg.listen_host, cfg.listen_port) == ("0.0.0.0", 9000)
+    assert cfg.upstream == "http://127.0.0.1:8001"  # a flag beats the file
+    assert cfg.admin_token == "0123456789abcdef-token"
+    assert cfg.canary.min_samples == 50 and cfg.canary.deadline_s == 120.0 and cfg.canary.sample_rate == 1.0
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('upstream = "triton:8000"', r"http\(s\) URL"),
+        ('upstream = "http://x"\nlisten = "nope"', "host:port"),
+        ('upstream = "http://x"\nbogus = 1', "unknown settings"),
+        ('upstream = "http://x"\n[canary]\nsample_rate = 0', "sample_rate"),
+        ('upstream = "http://x"\n[canary]\nmin_sample = 3', "unknown canary parameters"),
+        ('upstream = "http://x"\ncapture_rate = 0.5', "capture_dir"),
+        ("upstream = ", "not valid TOML"),
+    ],
+)
+def test_bad_config_is_a_clear_error(tmp_path: Path, toml: str, message: str) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text(toml + "\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(f, {"repository": tmp_path, "state_dir": tmp_path / "st"})
+
+
+def test_canary_params_from_request_body() -> None:
+    base = CanaryParams(min_samples=500)
+    p = CanaryParams.from_dict({"deadline_s": 90, "required_speedup": 1.2}, base)
+    assert p.min_samples == 500 and p.deadline_s == 90.0 and p.judge_params().max_ratio == pytest.approx(1.05 / 1.2)
+    for bad in ({"max_in_flight": 0}, {"confidence": 1.0}, {"timeout_s": "5"}, {"aa_rate": 2}):
+        with pytest.raises(ConfigError):
+            CanaryParams.from_dict(bad)
+
+
+def test_cli_exits_2_on_bad_config(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tunegate.cli", "sidecar", "--upstream", "http://x", "--repository", str(tmp_path / "no"),
+         "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "is not a directory" in out.stderr
+
+
+async def test_bounded_tasks_drop_when_full_and_drain() -> None:
+    tasks = BoundedTasks(2)
+    gate = asyncio.Event()
+    done: list[int] = []
+
+    async def job(i: int) -> None:
+        await gate.wait()
+        done.append(i)
+
+    assert tasks.offer(job(1)) and tasks.offer(job(2))
+    assert not tasks.offer(job(3))  # full: dropped, never started
+    gate.set()
+    await asyncio.sleep(0.01)
+    assert sorted(done) == [1, 2] and len(tasks) == 0
+    gate.clear()
+    assert tasks.offer(job(4))
+    assert await tasks.drain(timeout_s=0.01) == 1 and len(tasks) == 0 and 4 not in done
