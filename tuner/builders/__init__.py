@@ -1,4 +1,4 @@
-"""Builders by name: `onnxruntime`, `tensorrt`, or `package.module:Class` for one outside this package."""
+"""Builders by name: `onnxruntime`, `tensorrt`, `inductor`, or `package.module:Class` for one outside this package."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from tuner.builders.base import Artifact, BuildContext, Builder, BuildError
 BUILDERS = {
     "onnxruntime": "tuner.builders.ort:OrtBuilder",
     "tensorrt": "tuner.builders.tensorrt:TensorRTBuilder",
+    "inductor": "tuner.builders.inductor:InductorBuilder",
 }
 
 __all__ = ["Artifact", "BuildContext", "BuildError", "Builder", "BUILDERS", "get_builder"]

@@ -91,7 +91,7 @@ def onnx_interface(source: Path) -> tuple[list[Any], list[str]]:
     try:
         outputs = [o.name for o in onnx.load(str(source), load_external_data=False).graph.output]
         return describe_inputs(source), outputs
-    except Exception as exc:  # noqa: BLE001 - any unreadable source is a build error for this route
+    except Exception as exc:
         raise BuildError(f"{source}: cannot read the source ONNX's interface ({exc})") from exc
 
 
@@ -127,7 +127,7 @@ class InductorBuilder(Builder):
     def available(self) -> tuple[bool, str]:
         try:
             import torch
-            import torch._inductor  # noqa: F401 - the compiler itself
+            import torch._inductor
         except ImportError as exc:
             return False, f"torch is not installed ({exc})"
         if not hasattr(torch._inductor, "aoti_compile_and_package"):
@@ -198,7 +198,7 @@ class InductorBuilder(Builder):
             model = load_factory(str(ref))()
         except BuildError:
             raise
-        except Exception as exc:  # noqa: BLE001 - a factory that cannot build fails the route
+        except Exception as exc:
             raise BuildError(f"torch_model {ref}: the factory raised {type(exc).__name__}: {exc}") from exc
         wrapped = _Precision(model, compute).to(device).eval()
         args, dynamic = _examples(inputs, device)
@@ -206,7 +206,7 @@ class InductorBuilder(Builder):
             with torch.inference_mode(False), torch.no_grad():
                 # forward(*args): one varargs entry holding every input's dynamic axes
                 program = torch.export.export(wrapped, args, dynamic_shapes=(dynamic,), strict=False)
-        except Exception as exc:  # noqa: BLE001 - the export's own message says which op or guard failed
+        except Exception as exc:
             raise BuildError(f"torch.export failed: {type(exc).__name__}: {exc}") from exc
         export_s = time.perf_counter() - t0
         configs = inductor_configs(route)
@@ -216,7 +216,7 @@ class InductorBuilder(Builder):
         t1 = time.perf_counter()
         try:
             torch._inductor.aoti_compile_and_package(program, package_path=str(out / "model.pt2"), inductor_configs=dict(configs))
-        except Exception as exc:  # noqa: BLE001 - an Inductor failure fails this route only
+        except Exception as exc:
             raise BuildError(f"AOTInductor compile failed: {type(exc).__name__}: {exc}") from exc
         compile_s = time.perf_counter() - t1
         shutil.rmtree(cache, ignore_errors=True)
@@ -296,5 +296,5 @@ def _precision_module() -> Any:
     return Precision
 
 
-def _Precision(inner: Any, dtype: Any) -> Any:  # noqa: N802 - reads as the class it builds
+def _Precision(inner: Any, dtype: Any) -> Any:
     return _precision_module()(inner, dtype)
