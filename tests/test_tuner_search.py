@@ -181,6 +181,8 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path) -> None:
     proc = run_cli("tune", str(spec_path))
     assert proc.returncode == 2
     assert "-quant=int4: not an allowed value" in proc.stderr
+    proc = run_cli("tune", str(spec_path), "--budget-s", "0")
+    assert proc.returncode == 2 and "--budget-s must be a number of seconds > 0" in proc.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\nname = 'x'\n")
     proc = run_cli("routes", str(bad))

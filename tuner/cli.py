@@ -90,6 +90,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from tuner.inputs import InputsError
     from tuner.search import TuneError, tune
 
+    if args.budget_s is not None and not args.budget_s > 0:
+        raise CliError(f"--budget-s must be a number of seconds > 0, got {args.budget_s:g}")
     spec, p = _load(args)
     if args.dry_run:
         if args.json:

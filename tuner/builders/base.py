@@ -75,9 +75,15 @@ class Runner(Protocol):
 
 
 def save_batches(path: Path, batches: list[dict[str, np.ndarray]]) -> None:
+    """Input batches as one npz (written atomically: a build may read it after a kill)."""
+    import io
+
+    from tunegate.records import atomic_write_bytes
+
     arrays = {f"{i:05d}/{name}": arr for i, feeds in enumerate(batches) for name, arr in feeds.items()}
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def load_batches(path: Path) -> list[dict[str, np.ndarray]]:
