@@ -44,6 +44,7 @@ pytestmark = pytest.mark.triton
 MODEL = "tiny"
 TOKEN = "live-test-admin-token"
 # Same weights agree to float rounding; other weights are far outside.
+PINNED, DOWN = "TunegateCanaryPinned", "TunegateSidecarDown"
 TOLERANCE = {"y": {"metric": "linf", "threshold": 1e-4}, "score": {"metric": "linf", "threshold": 1e-4}}
 DASHBOARD = json.loads(
     (COMPOSE / "grafana" / "dashboards" / "tunegate-canary.json").read_text(encoding="utf-8")
@@ -181,26 +182,26 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
             with Traffic(sidecar.url) as traffic:
                 # A: a good candidate under canary (no judge decision in this phase), promoted by an operator.
                 admin.start(MODEL, 2, TOLERANCE, min_samples=100000, deadline_s=600, aa_rate=0.5)
-                wait_for("candidate comparisons in Prometheus", lambda: run.value(
-                    f'sum(tunegate_comparisons_total{{model="{MODEL}", role="candidate"}})') >= 100, 90)  # fmt: skip
+                compared = f'sum(tunegate_comparisons_total{{model="{MODEL}", role="candidate"}})'
+                wait_for("candidate comparisons in Prometheus", lambda: run.value(compared) >= 100, 90)
                 run.alerts_before_bad = alerts(prom)
                 admin.promote(MODEL)
-                wait_for(
-                    "live version 2", lambda: run.value(f'tunegate_live_version{{model="{MODEL}"}}') == 2, 30
-                )
+                live_version = f'tunegate_live_version{{model="{MODEL}"}}'
+                wait_for("live version 2 in Prometheus", lambda: run.value(live_version) == 2, 30)
                 # B: a bad candidate; the judge pins it on out-of-tolerance outputs after ~10 mirrors.
                 # A lower sample rate spreads those over a few scrapes, so rates over them exist.
-                admin.start(MODEL, 3, TOLERANCE, min_samples=50, deadline_s=600, aa_rate=0.5, sample_rate=0.15)
+                bad = {"min_samples": 50, "deadline_s": 600, "aa_rate": 0.5, "sample_rate": 0.15}
+                admin.start(MODEL, 3, TOLERANCE, **bad)
                 run.bad_status = admin.wait_decision(MODEL, timeout_s=120)
-                wait_for("TunegateCanaryPinned firing",
-                         lambda: alert_state(alerts(prom), "TunegateCanaryPinned") == "firing", 30)  # fmt: skip
+                wait_for(
+                    "TunegateCanaryPinned firing", lambda: alert_state(alerts(prom), PINNED) == "firing", 30
+                )
                 run.alerts_after_bad = alerts(prom)
                 time.sleep(3)  # a few more scrapes of the client path after the decision
             run.client_codes = dict(traffic.codes)
             # C: the sidecar goes away.
             sidecar.stop()
-            wait_for("TunegateSidecarDown pending",
-                     lambda: alert_state(alerts(prom), "TunegateSidecarDown") == "pending", 30)  # fmt: skip
+            wait_for("TunegateSidecarDown pending", lambda: alert_state(alerts(prom), DOWN) == "pending", 30)
             run.alerts_after_down = alerts(prom)
             run.end = time.time()
             yield run
@@ -247,8 +248,8 @@ def test_latency_is_split_by_version_and_role(live: LiveRun) -> None:
 
 
 def test_triton_panels_see_the_shadow_model(live: LiveRun) -> None:
-    queue = next(p for p in DASHBOARD["panels"] if p["title"] == "Triton queue time per request")["targets"][
-        0
+    (queue,) = next(p for p in DASHBOARD["panels"] if p["title"] == "Triton queue time per request")[
+        "targets"
     ]
     models_seen = {s["metric"]["model"] for s in live.query_range(queue["expr"]) if finite_points([s])}
     assert models_seen == {MODEL, f"{MODEL}__canary"}
@@ -273,15 +274,14 @@ def test_every_alert_rule_evaluates(live: LiveRun) -> None:
 
 def test_the_bad_canary_fires_the_pinned_alert(live: LiveRun) -> None:
     assert live.bad_status["state"] == "pinned" and live.bad_status["last"]["outcome"] == "pin"
-    assert alert_state(live.alerts_before_bad, "TunegateCanaryPinned") == "inactive"
-    (fired,) = [a for a in live.alerts_after_bad if a["labels"]["alertname"] == "TunegateCanaryPinned"]
+    # During the good canary nothing was pending or firing.
+    assert live.alerts_before_bad == []
+    (fired,) = [a for a in live.alerts_after_bad if a["labels"]["alertname"] == PINNED]
     assert fired["state"] == "firing" and fired["labels"]["model"] == MODEL
-    # Nothing else fired: the mirror kept up, the candidate answered, the judge decided in time.
-    assert {a["labels"]["alertname"] for a in live.alerts_after_bad if a["state"] == "firing"} == {
-        "TunegateCanaryPinned"
-    }
+    # Nothing else even pending: the mirror kept up, the candidate answered, the judge decided in time.
+    assert {a["labels"]["alertname"] for a in live.alerts_after_bad} == {PINNED}
 
 
 def test_losing_the_sidecar_raises_the_down_alert(live: LiveRun) -> None:
-    assert alert_state(live.alerts_after_bad, "TunegateSidecarDown") == "inactive"
-    assert alert_state(live.alerts_after_down, "TunegateSidecarDown") == "pending"
+    assert alert_state(live.alerts_after_bad, DOWN) == "inactive"
+    assert alert_state(live.alerts_after_down, DOWN) == "pending"
