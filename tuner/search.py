@@ -9,17 +9,14 @@ result: nothing is written and `TuneResult.winner` is None.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
-import shutil
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
-from tunegate.repository import parse_version_policy, sha256_file, versions
+from tunegate.repository import parse_version_policy, versions
 from tuner import gate
 from tuner.bench import bench_paired, bench_runner, objective, speedup
 from tuner.builders import Artifact, BuildContext, Builder, BuildError, get_builder
@@ -28,86 +25,19 @@ from tuner.builders.ort import ort_runner
 from tuner.builders.worker import BuildTimeout, run_build
 from tuner.cache import SearchCache
 from tuner.inputs import InputSet, make_inputs
-from tuner.release import build_release, tool_versions, write_release
+from tuner.progress import Reporter
+from tuner.release import tool_versions
 from tuner.report import write_report
+from tuner.result import RouteResult, TuneError, TuneResult, route_id
 from tuner.routes import Route, fast_routes, full_routes, mixed_routes, parse_space, route_string
 from tuner.spec import STRATEGIES, TuneSpec
+from tuner.winner import same_as_baseline, serve_finalists, write_winner
 
 LOG = logging.getLogger(__name__)
 
 
-class TuneError(RuntimeError):
-    """The search cannot run (backend missing, no baseline, bad repository); nothing was written."""
-
-
 class _BudgetSpent(Exception):
     pass
-
-
-@dataclasses.dataclass(frozen=True)
-class RouteResult:
-    route: str
-    knobs: dict[str, str]
-    stage: str
-    status: str  # passed | rejected | failed | skipped
-    error: str | None = None
-    build_seconds: float | None = None
-    objective_ms: float | None = None
-    baseline_objective_ms: float | None = None  # the paired baseline runs'
-    speedup: float | None = None
-    latency: dict[str, Any] | None = None
-    accuracy: dict[str, Any] | None = None
-    artifact: str | None = None
-    reused: bool = False
-
-    def record(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("reused")
-        return {"kind": "route", **d}
-
-    @classmethod
-    def from_record(cls, rec: Mapping[str, Any]) -> RouteResult:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in rec.items() if k in names}, reused=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneResult:
-    model: str
-    strategy: str
-    winner: RouteResult | None
-    version: int | None
-    version_path: Path | None
-    report_path: Path
-    cache_path: Path
-    routes: list[RouteResult]
-    baseline: dict[str, Any]
-    e2e: dict[str, Any]
-    reason: str
-    stopped_by_budget: bool
-    release: dict[str, Any] | None
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "strategy": self.strategy,
-            "winner": self.winner.route if self.winner else None,
-            "version": self.version,
-            "version_path": str(self.version_path) if self.version_path else None,
-            "speedup": self.winner.speedup if self.winner else None,
-            "reason": self.reason,
-            "stopped_by_budget": self.stopped_by_budget,
-            "report": str(self.report_path),
-            "cache": str(self.cache_path),
-            "baseline": self.baseline,
-            "e2e": self.e2e,
-            "routes": [dataclasses.asdict(r) for r in self.routes],
-            "counts": {s: sum(r.status == s for r in self.routes) for s in ("passed", "rejected", "failed", "skipped")},
-        }
-
-
-def route_id(route: str) -> str:
-    return hashlib.sha256(route.encode()).hexdigest()[:12]
 
 
 def find_baseline(spec: TuneSpec) -> tuple[int, Path]:
@@ -156,7 +86,7 @@ class _Search:
 
     def __init__(self, spec: TuneSpec, builder: Builder, cache: SearchCache, inputs: InputSet,
                  reference: gate.Outputs, baseline_runner: Runner, deadline: float,
-                 reporter: _Reporter) -> None:
+                 reporter: Reporter) -> None:
         self.spec, self.builder, self.cache, self.inputs = spec, builder, cache, inputs
         self.reference, self.baseline_runner, self.deadline = reference, baseline_runner, deadline
         self.reporter = reporter
@@ -294,7 +224,7 @@ def tune(
               "backend": builder.name, "strategy": strategy, "budget_s": budget, "versions": versions_info}
     cache = SearchCache.open(spec.workdir / "cache.jsonl", header, resume=resume)
 
-    with _Reporter(progress) as rep:
+    with Reporter(progress) as rep:
         rep.note("preparing inputs and the reference")
         inputs = make_inputs(spec.inputs, spec.model.source, spec.model.name)
         save_batches(spec.workdir / "calibration.npz", [dict(b.feeds) for b in inputs.gate])
@@ -319,14 +249,14 @@ def tune(
 
         search = _Search(spec, builder, cache, inputs, reference, base_runner, t_start + budget, rep)
         results = _strategy(search, strategy)
-        same = _same_as_baseline(baseline_dir, base_runtime)
+        same = same_as_baseline(baseline_dir, base_runtime)
         fast_enough = _winners(results, spec.objective.min_speedup)
         finalists = [r for r in fast_enough if not same(r)][: spec.search.finalists]
 
         e2e: dict[str, Any] = {}
         if finalists and spec.bench.e2e:
             rep.note(f"serving {len(finalists)} finalist(s) and the baseline through the embedded Triton")
-            e2e = _e2e(spec, builder, baseline_dir, finalists, base_outputs, inputs)
+            e2e = serve_finalists(spec, builder, baseline_dir, finalists, base_outputs, inputs)
             finalists = [f for f in finalists if e2e.get(f.route, {}).get("served_passed", True)]
 
         winner = finalists[0] if finalists else None
@@ -336,7 +266,7 @@ def tune(
         version = version_path = release = None
         if winner is not None and write:
             rep.note(f"rebuilding the winner once and writing it: {winner.route}")
-            version, version_path, release = _write_winner(spec, builder, winner, baseline, e2e, inputs, versions_info)
+            version, version_path, release = write_winner(spec, builder, winner, baseline, e2e, inputs, versions_info)
     report = write_report(
         spec.workdir / "report.html",
         {"model": spec.model.name, "spec": str(spec.path), "spec_digest": spec.digest, "strategy": strategy,
@@ -347,19 +277,6 @@ def tune(
     )
     return TuneResult(spec.model.name, strategy, winner, version, version_path, report, cache.path, results,
                       baseline, e2e, reason, search.stopped, release)
-
-
-def _same_as_baseline(baseline_dir: Path, runtime: Mapping[str, Any]) -> Any:
-    """A predicate: does this route's artifact and runtime equal the baseline's (nothing to release)?"""
-    base_sha = sha256_file(baseline_dir / runtime.get("artifact", "model.onnx"))
-
-    def same(r: RouteResult) -> bool:
-        if not r.artifact:
-            return False
-        art = Artifact.load(Path(r.artifact))
-        return dict(art.runtime) == dict(runtime) and sha256_file(art.path) == base_sha
-
-    return same
 
 
 def _reason(results: list[RouteResult], winner: RouteResult | None, stopped: bool, spec: TuneSpec) -> str:
@@ -376,123 +293,6 @@ def _reason(results: list[RouteResult], winner: RouteResult | None, stopped: boo
             f"needs >= {spec.objective.min_speedup:g}x{budget}")
 
 
-def _load_artifact(route: RouteResult) -> Artifact:
-    if not route.artifact:
-        raise TuneError(f"{route.route}: no artifact recorded")
-    return Artifact.load(Path(route.artifact))
 
 
-def _e2e(spec: TuneSpec, builder: Builder, baseline_dir: Path, finalists: list[RouteResult],
-         base_outputs: gate.Outputs, inputs: InputSet) -> dict[str, Any]:
-    from tuner.e2e import run_e2e
-
-    in_process = {"baseline": base_outputs}
-    files = []
-    for f in finalists:
-        art = _load_artifact(f)
-        in_process[f.route] = gate.run_all(builder.load(art), inputs)
-        files.append((f.route, builder.version_files(art)))
-    results = run_e2e(model=spec.model.name, repository=spec.model.repository, baseline_dir=baseline_dir,
-                      finalists=files, in_process=in_process, inputs=inputs, workdir=spec.workdir,
-                      concurrency=spec.bench.e2e_concurrency, requests=spec.bench.e2e_requests,
-                      bootstrap=spec.bench.bootstrap)
-    base_p50 = results["baseline"]["latency"]["p50_ms"]
-    for route, r in results.items():
-        served = r.pop("served")
-        r["served_passed"] = gate.judge(in_process[route], served, spec.tolerance).passed
-        r["speedup_p50"] = base_p50 / r["latency"]["p50_ms"] if r["latency"]["p50_ms"] > 0 else 0.0
-    return results
-
-
-def _write_winner(spec: TuneSpec, builder: Builder, winner: RouteResult, baseline: dict[str, Any],
-                  e2e: dict[str, Any], inputs: InputSet, versions_info: dict[str, Any]
-                  ) -> tuple[int, Path, dict[str, Any]]:
-    artifact = _load_artifact(winner)
-    outputs = gate.run_all(builder.load(artifact), inputs)
-    rebuild_dir = spec.workdir / "rebuild" / route_id(winner.route)
-    try:
-        again, _ = run_build(spec.search.backend, spec.model.source, winner.knobs, rebuild_dir,
-                             BuildContext(spec.search.options, spec.workdir / "calibration.npz"),
-                             timeout_s=spec.search.build_timeout_s)
-        identical: bool | None = gate.identical(outputs, gate.run_all(builder.load(again), inputs))
-    except BuildError as exc:
-        LOG.warning("rebuilding the winner failed: %s", exc)
-        identical = None
-    finally:
-        shutil.rmtree(rebuild_dir, ignore_errors=True)  # only its outputs matter
-    latency = {
-        "objective": spec.objective.metric,
-        "batch_sizes": list(spec.objective.batch_sizes),
-        "candidate": {"objective_ms": winner.objective_ms, "per_shape": winner.latency},
-        # timed alternately with the candidate (the speedup's denominator) ...
-        "baseline": {"version": baseline["version"], "objective_ms": winner.baseline_objective_ms},
-        # ... and alone, once, at the start of the search
-        "baseline_alone": {"objective_ms": baseline["objective_ms"], "per_shape": baseline["latency"]},
-        "speedup": winner.speedup,
-    }
-    if winner.route in e2e:
-        latency["triton"] = {"candidate": e2e[winner.route], "baseline": e2e.get("baseline"),
-                             "speedup_p50": e2e[winner.route].get("speedup_p50")}
-    accuracy = dict((winner.accuracy or {}).get("outputs", {}))
-    release = build_release(
-        spec=spec, route=winner.route, knobs=winner.knobs, artifact=artifact, accuracy=accuracy, latency=latency,
-        baseline_version=int(baseline["version"]), rebuild_identical=bool(identical) if identical is not None else False,
-        versions=versions_info, build_seconds=float(winner.build_seconds or 0.0), inputs_digest=inputs.digest,
-    )
-    release["inputs"] = {"gate_batches": [b.label for b in inputs.gate], "bench_shapes": [s.key for s in inputs.bench]}
-    if identical is None:
-        release["rebuild_error"] = "the rebuild failed; see the log"
-    version, path = write_release(spec, builder, artifact, release)
-    return version, path, release
-
-
-class _Reporter:
-    """Progress on stderr: a rich bar over the routes planned so far, plus timestamped notes."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._progress: Any = None
-        self._task: Any = None
-
-    def __enter__(self) -> Self:
-        if self.enabled:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                SpinnerColumn,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            from tunegate.console import err
-
-            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                      MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=False)
-            self._progress.start()
-            self._task = self._progress.add_task("routes", total=0)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-    def note(self, msg: str) -> None:
-        if self._progress is not None:
-            self._progress.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {msg}")
-
-    def plan(self, n: int) -> None:
-        if self._progress is not None:
-            total = self._progress.tasks[0].total or 0
-            self._progress.update(self._task, total=total + n)
-
-    def route(self, key: str) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, description=key[:70])
-
-    def done(self, result: RouteResult) -> None:
-        if self._progress is not None:
-            self._progress.advance(self._task)
-            spd = f" {result.speedup:.2f}x" if result.speedup is not None else ""
-            color = {"passed": "green", "rejected": "red"}.get(result.status, "yellow")
-            self.note(f"[{color}]{result.status}[/]{spd} {result.route}" + (" (cached)" if result.reused else ""))
+__all__ = ["RouteResult", "TuneError", "TuneResult", "find_baseline", "plan", "route_id", "tune"]
