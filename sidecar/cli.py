@@ -79,12 +79,9 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    try:
-        import uvloop  # type: ignore[import-not-found]
+    import uvloop
 
-        uvloop.run(main())
-    except ImportError:
-        asyncio.run(main())
+    uvloop.run(main())
     return 0
 
 

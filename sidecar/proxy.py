@@ -79,13 +79,13 @@ async def infer(request: web.Request) -> web.StreamResponse:
     resp, seconds = got
     metrics.requests.labels(model, routed or "", "primary", str(resp.status)).inc()
     metrics.latency.labels(model, routed or "", "primary").observe(seconds)
-    request_id = uuid.uuid4().hex
-    if version is None:
+    request_id = None
+    if version is None and model in manager.canaries:
+        request_id = uuid.uuid4().hex  # names this request in exemplars and captures
         manager.offer(model, body, request.headers, resp, seconds, request_id)
     capture = request.app.get(CAPTURE)
-    cfg = request.app[CONFIG]
-    if capture is not None and resp.status == 200 and manager.sample(cfg.capture_rate):
-        _capture(request, capture, model, version, body, request_id)
+    if capture is not None and resp.status == 200 and manager.sample(request.app[CONFIG].capture_rate):
+        _capture(request, capture, model, version, body, request_id or uuid.uuid4().hex)
     return web.Response(status=resp.status, body=resp.body, headers=resp.headers)
 
 

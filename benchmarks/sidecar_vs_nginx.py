@@ -1,0 +1,253 @@
+"""Sidecar vs nginx in front of the same Triton: throughput and added latency, with and without mirroring.
+
+One run prints the table issue 4 asks for. Load: wrk (POST, keep-alive, --latency) at each
+concurrency, against a python-backend identity model FP32[16] on the embedded Triton:
+
+  direct            wrk -> Triton
+  nginx             wrk -> nginx (proxy_pass, upstream keepalive) -> Triton
+  nginx+mirror      ... plus `mirror` + `mirror_request_body on` (100%) to an identical candidate
+  sidecar           wrk -> tunegate sidecar (no canary) -> Triton
+  sidecar+mirror    ... with a canary mirroring 100% to an identical candidate
+  nginx+slow        nginx mirroring 100% to a candidate 100 ms slower
+  sidecar+slow      the sidecar mirroring (sample 100%, bounded) to a candidate 100 ms slower
+
+    .venv/bin/python benchmarks/sidecar_vs_nginx.py --duration 10            # the real run (quiet machine)
+    .venv/bin/python benchmarks/sidecar_vs_nginx.py --duration 1 -c 1 4      # smoke
+
+Needs `nginx` and `wrk` on PATH (Debian: apt-get install nginx wrk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from sidecar.client import AdminClient, SidecarProcess, write_token_file
+from tunegate.repository import ModelConfig, TensorSpec, write_config, write_version
+from tunegate.triton import EmbeddedTriton, TritonOptions, free_port
+
+TOKEN = "benchmark-admin-token-0123456789"
+IDENTITY_PY = '''
+import json, os, time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        here = os.path.join(args["model_repository"], args["model_version"])
+        self.delay = json.load(open(os.path.join(here, "behaviour.json"))).get("delay_ms", 0) / 1000.0
+
+    def execute(self, requests):
+        if self.delay:
+            time.sleep(self.delay)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
+                for r in requests]
+'''
+BODY = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [16], "data": [float(i) for i in range(16)]}]})
+NGINX_CONF = """
+worker_processes 1;
+daemon off;
+user root;
+error_log {prefix}/error.log warn;
+pid {prefix}/nginx.pid;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {prefix}/body;
+  proxy_temp_path {prefix}/proxy;
+  fastcgi_temp_path {prefix}/fastcgi;
+  uwsgi_temp_path {prefix}/uwsgi;
+  scgi_temp_path {prefix}/scgi;
+  client_body_buffer_size 1m;
+  upstream triton {{ server 127.0.0.1:{triton_port}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://triton;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      {mirror}
+    }}
+    location = /mirror {{
+      internal;
+      proxy_pass http://triton/v2/models/{mirror_model}/infer;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }}
+  }}
+}}
+"""
+
+
+def build_repository(root: Path) -> Path:
+    def model(name: str, versions: dict[int, int]) -> None:
+        for v, delay in versions.items():
+            write_version(root, name, {"model.py": IDENTITY_PY, "behaviour.json": json.dumps({"delay_ms": delay})},
+                          version=v)  # fmt: skip
+        cfg = ModelConfig(name, (TensorSpec("x", "FP32", (16,)),), (TensorSpec("y", "FP32", (16,)),),
+                          versions=(min(versions),))  # fmt: skip
+        write_config(root, cfg)
+
+    model("ident", {1: 0, 2: 0, 3: 100})  # baseline, identical candidate, slow candidate (sidecar canaries)
+    model("nginx_cand", {1: 0})  # nginx's mirror targets (nginx has no notion of versions under canary)
+    model("nginx_slow", {1: 100})
+    return root
+
+
+@contextlib.contextmanager
+def nginx(workdir: Path, triton_port: int, mirror_model: str | None) -> Iterator[str]:
+    prefix = Path(tempfile.mkdtemp(prefix="nginx-", dir=workdir))
+    port = free_port()
+    mirror = "mirror /mirror;\n      mirror_request_body on;" if mirror_model else ""
+    conf = prefix / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(prefix=prefix, triton_port=triton_port, port=port, mirror=mirror,
+                                      mirror_model=mirror_model or "none"))  # fmt: skip
+    proc = subprocess.Popen(["nginx", "-p", str(prefix), "-c", str(conf)], stderr=subprocess.PIPE)
+    try:
+        wait_port(port, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 10) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"nginx exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.connect(("127.0.0.1", port))
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}
+
+
+def _ms(text: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
+    if not m:
+        raise ValueError(f"cannot read wrk latency {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def wrk(url: str, concurrency: int, duration_s: float, lua: Path) -> dict[str, float]:
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(duration_s))}s", "--latency", "-s", str(lua),
+         f"{url}/v2/models/ident/infer" if "/v2/" not in url else url],
+        capture_output=True, text=True, timeout=duration_s + 60, check=True,
+    ).stdout  # fmt: skip
+    dist = dict(re.findall(r"^\s+(50|75|90|99)%\s+(\S+)$", out, re.M))
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    return {"rps": rps, "p50_ms": _ms(dist["50"]), "p99_ms": _ms(dist["99"]),
+            "errors": float(non2xx.group(1)) if non2xx else 0.0}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    for tool in ("nginx", "wrk"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} is not on PATH (Debian: apt-get install nginx wrk)")
+    work = Path(tempfile.mkdtemp(prefix="bench-sidecar-"))
+    lua = work / "post.lua"
+    lua.write_text(f'wrk.method = "POST"\nwrk.body = {json.dumps(BODY)}\nwrk.headers["Content-Type"] = "application/json"\n')
+    repo = build_repository(work / "repo")
+    token = write_token_file(work / "token", TOKEN)
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    console = Console(stderr=True)
+
+    def measure(name: str, url: str) -> None:
+        results[name] = {}
+        for c in args.concurrency:
+            results[name][c] = r = wrk(url, c, args.duration, lua)
+            console.print(f"{name:15s} c={c:<3d} {r['rps']:8.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms")
+
+    models = ("ident", "nginx_cand", "nginx_slow")
+    with EmbeddedTriton(TritonOptions(repository=repo, models=models), workdir=work / "triton") as triton:
+        measure("direct", triton.http_url)
+        with nginx(work, triton.http_port, None) as url:
+            measure("nginx", url)
+        with nginx(work, triton.http_port, "nginx_cand") as url:
+            measure("nginx+mirror", url)
+        with nginx(work, triton.http_port, "nginx_slow") as url:
+            measure("nginx+slow", url)
+        with SidecarProcess(upstream=triton.http_url, state_dir=work / "state", repository=repo,
+                            token_file=token) as sc:  # fmt: skip
+            admin = AdminClient(sc.url, TOKEN)
+            measure("sidecar", sc.url)
+            never = {"min_samples": 10**9, "deadline_s": 86400.0, "aa_rate": 0.0, "sample_rate": 1.0}
+            tol = {"y": {"metric": "linf", "threshold": 1e-6}}
+            admin.start("ident", 2, tol, max_in_flight=64, **never)
+            measure("sidecar+mirror", sc.url)
+            st = admin.status("ident")["canary"]["evidence"]
+            admin.pin("ident")
+            admin.start("ident", 3, tol, **never)
+            measure("sidecar+slow", sc.url)
+            admin.pin("ident")
+    return {"results": results, "mirror_evidence": st, "duration_s": args.duration}
+
+
+def report(data: dict[str, Any]) -> None:
+    res = data["results"]
+    conc = list(next(iter(res.values())))
+    t = Table(title="tunegate sidecar vs nginx (identity FP32[16], python backend, wrk POST keep-alive)")
+    t.add_column("setup")
+    for c in conc:
+        t.add_column(f"c={c} req/s", justify="right")
+        t.add_column(f"c={c} +p50/+p99 ms", justify="right")
+    for name, per in res.items():
+        row = [name]
+        for c in conc:
+            r, d = per[c], res["direct"][c]
+            err = f" ({r['errors']:.0f} err)" if r["errors"] else ""
+            row += [f"{r['rps']:.0f}{err}", f"{r['p50_ms'] - d['p50_ms']:+.3f} / {r['p99_ms'] - d['p99_ms']:+.3f}"]
+        t.add_row(*row)
+    Console().print(t)
+    lines = []
+    for c in conc:
+        ratio = res["sidecar"][c]["rps"] / res["nginx"][c]["rps"]
+        mirrored = res["sidecar+mirror"][c]["rps"] / res["nginx+mirror"][c]["rps"]
+        lines.append(
+            f"c={c}: passthrough {ratio:.2f}x nginx (target >= 0.8); mirrored {mirrored:.2f}x nginx+mirror "
+            f"(target >= 1.0); client p99 with a 100 ms slower candidate: sidecar "
+            f"{res['sidecar+slow'][c]['p99_ms']:.2f} ms (vs {res['sidecar+mirror'][c]['p99_ms']:.2f} mirrored, "
+            f"{res['sidecar'][c]['p99_ms']:.2f} passthrough), nginx {res['nginx+slow'][c]['p99_ms']:.2f} ms"
+        )
+    Console().print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
+    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--json", action="store_true", help="print the raw results as JSON too")
+    args = p.parse_args(argv)
+    data = run(args)
+    report(data)
+    if args.json:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
