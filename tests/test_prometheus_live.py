@@ -1,12 +1,14 @@
 """Live observability: a real Prometheus (with compose's scrape config and alert rules) scrapes a real sidecar
-and a real embedded Triton through two short canaries of the tiny model:
+and a real embedded Triton through short canaries of the tiny model:
 
   A. a good candidate (same weights as the baseline) under canary, then promoted through the admin API;
-  B. a bad candidate (other weights) that the judge pins: the scripted bad scenario;
+  B. a wrong candidate (other weights) that the judge pins: the scripted bad scenario;
+  B'. a candidate that fails every request, pinned by the operator;
   C. the sidecar stopped: Prometheus loses its target.
 
 Then every dashboard panel's PromQL returns data over the run, every alert rule evaluates without error,
-`TunegateCanaryPinned` fires after B (and not before), `TunegateSidecarDown` is pending after C.
+`TunegateCanaryPinned` fires after B (and nothing is pending before), `TunegateCandidateErrorBurst` is
+pending during B', `TunegateSidecarDown` is pending after C.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ pytestmark = pytest.mark.triton
 MODEL = "tiny"
 TOKEN = "live-test-admin-token"
 # Same weights agree to float rounding; other weights are far outside.
-PINNED, DOWN = "TunegateCanaryPinned", "TunegateSidecarDown"
+PINNED, DOWN, BURST = "TunegateCanaryPinned", "TunegateSidecarDown", "TunegateCandidateErrorBurst"
 TOLERANCE = {"y": {"metric": "linf", "threshold": 1e-4}, "score": {"metric": "linf", "threshold": 1e-4}}
 DASHBOARD = json.loads(
     (COMPOSE / "grafana" / "dashboards" / "tunegate-canary.json").read_text(encoding="utf-8")
@@ -111,6 +113,7 @@ class LiveRun:
     alerts_before_bad: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     alerts_after_bad: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     alerts_after_down: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    alerts_during_errors: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     client_codes: dict[int, int] = dataclasses.field(default_factory=dict)
     bad_status: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -127,12 +130,26 @@ class LiveRun:
         return max((float(s["value"][1]) for s in result), default=float("nan"))
 
 
+def failing_tiny(dest: Path) -> Path:
+    """The tiny model expecting its input under another name: it loads, and fails every request."""
+    import onnx
+
+    model = onnx.load(models.build_tiny(dest))
+    model.graph.input[0].name = "x_other"
+    for node in model.graph.node:
+        node.input[:] = ["x_other" if name == "x" else name for name in node.input]
+    onnx.save(model, dest)
+    return dest
+
+
 def tiny_repository(root: Path) -> Path:
-    """tiny v1 (baseline), v2 (same weights: a good candidate), v3 (other weights: a bad one)."""
+    """tiny v1 (baseline), v2 (same weights: a good candidate), v3 (other weights: a wrong one),
+    v4 (fails every request)."""
     repo = root / "repo"
     for version, seed in ((1, 0), (2, 0), (3, 7)):
         onnx = models.build_tiny(root / f"tiny-{seed}.onnx", seed=seed)
         write_version(repo, MODEL, onnx_version_files(onnx), version=version)
+    write_version(repo, MODEL, onnx_version_files(failing_tiny(root / "tiny-failing.onnx")), version=4)
     write_config(repo, dataclasses.replace(models.tiny_config(MODEL), versions=(1,)))
     return repo
 
@@ -197,6 +214,16 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
                     "TunegateCanaryPinned firing", lambda: alert_state(alerts(prom), PINNED) == "firing", 30
                 )
                 run.alerts_after_bad = alerts(prom)
+                # B': a candidate failing every request, with an error budget so wide the judge waits:
+                # the error-burst alert must see it; an operator pins it.
+                admin.start(MODEL, 4, TOLERANCE, error_budget=1.0, deadline_s=600, sample_rate=0.3)
+                wait_for(
+                    "TunegateCandidateErrorBurst pending",
+                    lambda: alert_state(alerts(prom), BURST) != "inactive",
+                    60,
+                )
+                run.alerts_during_errors = alerts(prom)
+                admin.pin(MODEL)
                 time.sleep(3)  # a few more scrapes of the client path after the decision
             run.client_codes = dict(traffic.codes)
             # C: the sidecar goes away.
@@ -280,6 +307,20 @@ def test_the_bad_canary_fires_the_pinned_alert(live: LiveRun) -> None:
     assert fired["state"] == "firing" and fired["labels"]["model"] == MODEL
     # Nothing else even pending: the mirror kept up, the candidate answered, the judge decided in time.
     assert {a["labels"]["alertname"] for a in live.alerts_after_bad} == {PINNED}
+
+
+def test_a_failing_candidate_raises_the_error_burst_alert(live: LiveRun) -> None:
+    assert alert_state(live.alerts_after_bad, BURST) == "inactive"
+    # `for: 1m` keeps it pending within this short run; firing is covered by the promtool unit tests.
+    assert alert_state(live.alerts_during_errors, BURST) == "pending"
+    (burst,) = [a for a in live.alerts_during_errors if a["labels"]["alertname"] == BURST]
+    assert burst["labels"]["model"] == MODEL
+    # The dashboard's error panel shows the failures (not only its zero fill).
+    (errors, _timeouts) = next(p for p in DASHBOARD["panels"] if p["title"].startswith("Candidate errors"))[
+        "targets"
+    ]
+    peak = max(float(v) for s in live.query_range(errors["expr"]) for _t, v in s["values"])
+    assert peak > 0.5, peak  # ~0.3 x 25 req/s mirrored, all failing
 
 
 def test_losing_the_sidecar_raises_the_down_alert(live: LiveRun) -> None:
