@@ -146,10 +146,11 @@ def test_every_image_is_pinned(stack: dict[str, Any]) -> None:
         repo, _, tag = image.rpartition(":")
         assert repo and "/" not in tag, f"{name}: {image} has no tag"
         assert tag != "latest" and re.search(r"\d", tag), f"{name}: {image} is not pinned to a version"
-    # The images built here carry the package version.
+    # The images built here carry the package version and are never pulled from a registry.
     for name, svc in services(stack).items():
         if "build" in svc:
             assert svc["image"].endswith(":" + importlib.metadata.version("tunegate")), name
+            assert svc["pull_policy"] == "build", name
 
 
 def test_triton_is_the_ngc_release_of_the_embedded_server(stack: dict[str, Any]) -> None:
