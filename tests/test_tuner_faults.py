@@ -133,3 +133,20 @@ def test_a_changed_spec_refuses_to_resume(tmp_path: Path) -> None:
         tune(load_spec(spec_path), resume=True, progress=False, write=False)
     proc = run_cli("tune", str(spec_path), "--continue")
     assert proc.returncode == 2 and "the spec changed" in proc.stderr
+
+
+def test_a_second_search_in_the_same_workdir_is_refused_and_stale_builds_are_cleared(tmp_path: Path) -> None:
+    import fcntl
+
+    from tuner.search import TuneError
+
+    spec = load_spec(tiny_project(tmp_path, search={"routes": "-opt=disable"}, bench={"repeats": 3, "e2e": False}))
+    spec.workdir.mkdir(parents=True)
+    with open(spec.workdir / ".lock", "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(TuneError, match="another search is running"):
+            tune(spec, progress=False, write=False)
+    stale = spec.workdir / "builds" / ".tmp-abc-123"
+    stale.mkdir(parents=True)
+    tune(spec, progress=False, write=False)
+    assert not stale.exists()

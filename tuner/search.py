@@ -8,11 +8,15 @@ result: nothing is written and `TuneResult.winner` is None.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import math
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +223,29 @@ def tune(
     parse_space(builder.knobs, spec.search.routes)  # a bad expression fails before any work
     baseline_version, baseline_dir = find_baseline(spec)
     spec.workdir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(spec.workdir):
+        # a kill -9 mid-build leaves a temporary build directory; nothing else uses it
+        for stale in (spec.workdir / "builds").glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        return _tune(spec, builder, strategy, budget, resume, progress, write, baseline_version, baseline_dir, t_start)
+
+
+@contextlib.contextmanager
+def _exclusive(workdir: Path) -> Iterator[None]:
+    """One search per work directory at a time (the kernel drops the lock if the process dies)."""
+    with open(workdir / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TuneError(f"another search is running in {workdir}; wait for it or stop it") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _tune(spec: TuneSpec, builder: Builder, strategy: str, budget: float, resume: bool, progress: bool,
+          write: bool, baseline_version: int, baseline_dir: Path, t_start: float) -> TuneResult:
     versions_info = tool_versions(builder)
     header = {"spec_digest": spec.digest, "spec_path": str(spec.path), "model": spec.model.name,
               "backend": builder.name, "strategy": strategy, "budget_s": budget, "versions": versions_info}
@@ -262,7 +289,8 @@ def tune(
         winner = finalists[0] if finalists else None
         reason = _reason(results, winner, search.stopped, spec)
         if winner is None and fast_enough:
-            reason = "the routes that pass and beat the baseline build exactly the baseline (same artifact and runtime)"
+            reason = ("the routes that pass and beat the baseline build exactly the baseline (same artifact and runtime)"
+                      + (" (the time budget stopped the search)" if search.stopped else ""))
         version = version_path = release = None
         if winner is not None and write:
             rep.note(f"rebuilding the winner once and writing it: {winner.route}")
@@ -291,8 +319,6 @@ def _reason(results: list[RouteResult], winner: RouteResult | None, stopped: boo
     best = max(r.speedup or 0.0 for r in passed)
     return (f"no route beats the baseline within tolerance: best passing route is {best:.2f}x, "
             f"needs >= {spec.objective.min_speedup:g}x{budget}")
-
-
 
 
 __all__ = ["RouteResult", "TuneError", "TuneResult", "find_baseline", "plan", "route_id", "tune"]
