@@ -35,8 +35,8 @@ FINAL = (PROMOTE, PIN, INCONCLUSIVE)
 
 MIN_FAIL_FAST_EVENTS = 3  # never fail fast on one or two unlucky events
 MIN_LATENCY_PAIRS = 30
-BOOTSTRAP_RESAMPLES = 100
-BOOTSTRAP_MAX_PAIRS = 1000  # the most recent pairs; bounds the judge's CPU cost per look
+BOOTSTRAP_RESAMPLES = 200
+BOOTSTRAP_MAX_PAIRS = 2000  # the most recent pairs; bounds the judge's CPU cost per look
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MODELS = {
     "good": {2: {"noise": 1e-5}},  # within the linf 1e-3 tolerance
     "wrong": {2: {"scale": 2.5}},
-    "slow": {2: {"delay_ms": 120}},
+    "slow": {2: {"delay_ms": 300}},
     "failing": {2: {"fail": True}},
     "nans": {2: {"nan": True}},
     "promofail": {2: {}},
@@ -218,8 +218,8 @@ async def test_slow_candidate_is_pinned_and_clients_do_not_wait(sidecar: Sidecar
     [rec] = decisions(sidecar)
     assert rec["outcome"] == "pin" and "slower" in rec["reasons"][0]
     lat = np.asarray(seen["latencies"])
-    # The candidate takes 120 ms per request; the client path never waits for it.
-    assert np.quantile(lat, 0.95) < 0.06, np.quantile(lat, [0.5, 0.95, 0.99])
+    # The candidate takes 300 ms per request; the client path never waits for it.
+    assert np.quantile(lat, 0.95) < 0.15, np.quantile(lat, [0.5, 0.95, 0.99])
     assert sidecar.metric("tunegate_mirror_dropped_total", model="slow", role="candidate", reason="full") > 0
 
 
