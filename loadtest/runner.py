@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import signal
 import dataclasses
 import subprocess
 import sys
@@ -123,7 +124,11 @@ def read_stats(csv_prefix: Path) -> tuple[NameStats, dict[str, NameStats]]:
 
 
 def run(opts: LoadOptions, progress: Any = None) -> LoadResult:
-    """Run Locust headless; `progress(elapsed_s)` is called about twice a second."""
+    """Run Locust headless; `progress(elapsed_s)` is called about twice a second.
+
+    When `progress` returns True, Locust is asked to stop now (SIGINT, as Ctrl-C: it stops its users and
+    still writes its stats), e.g. once a canary has decided.
+    """
     workdir = Path(tempfile.mkdtemp(prefix="tunegate-locust-"))
     prefix = opts.csv_prefix or workdir / "locust"
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
@@ -132,13 +137,15 @@ def run(opts: LoadOptions, progress: Any = None) -> LoadResult:
     with open(log, "wb") as logf:
         proc = subprocess.Popen(command(opts, Path(prefix)), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         limit = opts.duration_s + 60
+        stopping = False
         try:
             while proc.poll() is None:
                 if time.monotonic() - t0 > limit:
                     proc.kill()
                     raise LoadTestError(f"Locust did not finish within {limit:.0f}s; log: {log}")
-                if progress is not None:
-                    progress(time.monotonic() - t0)
+                if progress is not None and progress(time.monotonic() - t0) and not stopping:
+                    stopping = True
+                    proc.send_signal(signal.SIGINT)
                 time.sleep(0.5)
         except BaseException:
             proc.kill()

@@ -1,10 +1,14 @@
-"""`tunegate demo`: the main job on the embedded default (prepare the model, serve it on Triton, infer)."""
+"""`tunegate demo`: the main job on the embedded default — tune, canary under Locust load, decide.
+
+`--quick` only serves the baseline and prints one embedding (a smoke check of the install).
+"""
 
 from __future__ import annotations
 
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -15,26 +19,87 @@ from tunegate.triton import EmbeddedTriton, TritonError, TritonOptions
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="run the main job on the embedded Triton (prepare, serve, infer)")
-    p.add_argument("--repository", type=Path, default=Path("model_repository"))
-    p.add_argument("--cache", type=Path, default=None)
+    p = sub.add_parser("demo", help="the whole loop on the embedded Triton: tune -> canary under load -> decision")
+    p.add_argument("--scenario", choices=["good", "bad"], default="good",
+                   help="good: a faster route within tolerance (PROMOTE expected); "
+                        "bad: int8 admitted by a loose tuner tolerance, judged strictly live (PIN expected)")  # fmt: skip
+    p.add_argument("--run-dir", type=Path, default=None, help="work directory (default .tunegate/runs/<stamp>)")
+    p.add_argument("--cache", type=Path, default=None, help="model cache (default $TUNEGATE_CACHE or ~/.cache/tunegate)")
+    p.add_argument("--budget-s", type=float, default=None, help="tuning time budget (default: the spec's)")
+    p.add_argument("--load-s", type=float, default=150.0, help="longest load replay; it stops once the canary decides")
+    p.add_argument("--users", type=int, default=6, help="Locust users")
+    p.add_argument("--min-samples", type=int, default=300, help="comparisons before the judge may decide")
+    p.add_argument("--oot-budget", type=float, default=0.02,
+                   help="share of requests allowed outside the live tolerance, above the A/A noise floor")
+    p.add_argument("--deadline-s", type=float, default=140.0, help="canary deadline (no clear answer: pin)")
+    p.add_argument("--quick", action="store_true", help="only serve the baseline and print one embedding")
     p.add_argument("--text", default="Triton serves the baseline while tunegate judges the candidate.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.quick:
+        return quick(args)
+    from tunegate.demo import DemoError, DemoOptions, run_demo
+
+    try:
+        opts = DemoOptions(
+            scenario=args.scenario, run_dir=args.run_dir, cache=args.cache, tune_budget_s=args.budget_s,
+            load_s=args.load_s, users=args.users, min_samples=args.min_samples, deadline_s=args.deadline_s,
+            oot_budget=args.oot_budget,
+            progress=not args.json,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    try:
+        summary = run_demo(opts, step=lambda msg: err.print(f"[bold cyan]>>[/] {msg}"))
+    except (DemoError, TritonError, models.ModelError) as exc:
+        raise CliError(str(exc), code=1) from exc
+    if args.json:
+        emit_json({k: v for k, v in summary.items() if k != "timeline"})
+    else:
+        _print_summary(summary)
+    return 0
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    tune = s.get("tune", {})
+    out.print(f"[bold]tune[/]: winner {tune.get('winner')} (x{tune.get('speedup') or 0:.2f}) -> version "
+              f"{tune.get('version')}; report {s.get('tune_report')}")  # fmt: skip
+    if s.get("decision") is None:
+        out.print(f"[bold]decision[/]: none — {s.get('reason')}")
+        return
+    color = "green" if s["decision"] == "promote" else "red"
+    out.print(f"[bold]decision[/]: [{color}]{str(s['decision']).upper()}[/] (by {s.get('decided_by')}); "
+              f"live version now {s.get('live_version')}")  # fmt: skip
+    for r in s.get("reasons", []):
+        out.print(f"  - {r}")
+    load = s.get("load", {})
+    secs = s.get("seconds", {})
+    out.print(f"[bold]load[/]: {load.get('requests')} requests replayed through the sidecar, "
+              f"{load.get('failures')} client failures, p50 {load.get('median_ms')} ms, p95 {load.get('p95_ms')} ms")  # fmt: skip
+    ev = s.get("evidence", {})
+    if ev:
+        keys = [k for k in ("compared", "out_of_tolerance", "aa_compared", "aa_out_of_tolerance", "errors", "timeouts",
+                            "p50_ratio", "p95_ratio") if k in ev]  # fmt: skip
+        out.print("[bold]evidence[/]: " + ", ".join(f"{k} {ev[k]}" for k in keys))
+    out.print(f"[bold]time[/]: canary to decision {secs.get('canary_to_decision')} s, total {secs.get('total')} s")
+    out.print(f"[bold]files[/]: canary report {s.get('canary_report')}; decision records {s.get('records')}")
+
+
+def quick(args: argparse.Namespace) -> int:
     import tritonclient.http as httpclient
 
     t0 = time.perf_counter()
     with err.status("preparing the demo model (first run exports MiniLM to ONNX)"):
         try:
             onnx_path = models.minilm_onnx(args.cache)
-            models.install_baseline(args.repository, onnx_path)
+            models.install_baseline(models.PROJECT_REPOSITORY, onnx_path)
         except models.ModelError as exc:
             raise CliError(str(exc)) from exc
     t_prepared = time.perf_counter()
-    server = EmbeddedTriton(TritonOptions(repository=args.repository, models=(models.MINILM,)))
+    server = EmbeddedTriton(TritonOptions(repository=models.PROJECT_REPOSITORY, models=(models.MINILM,)))
     with err.status("starting the embedded Triton"):
         try:
             server.start()
@@ -78,6 +143,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         out.print(f"[bold]{models.MINILM}[/] v{summary['version']} embedding of {args.text!r}")
         out.print(f"  shape {summary['embedding_shape']}, L2 norm {summary['embedding_norm']:.6f}")
         out.print(f"  first values {summary['embedding_head']}")
-        s = summary["seconds"]
-        out.print(f"  time to first inference {s['to_first_inference']}s (prepare {s['prepare']}s, Triton ready {s['triton_ready']}s)")
+        sec = summary["seconds"]
+        out.print(f"  time to first inference {sec['to_first_inference']}s (prepare {sec['prepare']}s, "
+                  f"Triton ready {sec['triton_ready']}s)")  # fmt: skip
     return 0

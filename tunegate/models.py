@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from tunegate.repository import ModelConfig, TensorSpec
 
 LOG = logging.getLogger(__name__)
 
+PROJECT_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 MINILM = "minilm"
 TINY = "tiny"
 MINILM_DIM = 384
@@ -203,4 +206,20 @@ def install_baseline(repository: Path, onnx_path: Path, model: str = MINILM) -> 
         if sha256_file(dest) == sha256_file(onnx_path):
             return dest
     atomic_copy(onnx_path, dest)
+    return dest
+
+
+def copy_repository(
+    dest: Path, models_: Sequence[str] | None = None, onnx: Path | None = None, src: Path = PROJECT_REPOSITORY
+) -> Path:
+    """A private copy of a model repository (tests, demo runs), with `onnx` linked in as each version 1's model.
+
+    Runs and tests then load, promote and write versions without touching the committed repository.
+    """
+    for model_dir in sorted(Path(src).iterdir()):
+        if not model_dir.is_dir() or (models_ is not None and model_dir.name not in models_):
+            continue
+        shutil.copytree(model_dir, dest / model_dir.name, ignore=shutil.ignore_patterns("*.onnx", "__pycache__"))
+        if onnx is not None and (dest / model_dir.name / "1" / "model.py").exists():
+            os.symlink(Path(onnx).resolve(), dest / model_dir.name / "1" / "model.onnx")
     return dest

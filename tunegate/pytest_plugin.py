@@ -10,17 +10,16 @@ tests that load, promote or write versions never touch the committed repository.
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tunegate.models import copy_repository
 from tunegate.triton import EmbeddedTriton, TritonOptions
 
-ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["copy_repository"]
 
 
 @pytest.fixture
@@ -46,17 +45,6 @@ def minilm_onnx_path() -> Path:
     from tunegate import models
 
     return models.minilm_onnx()
-
-
-def copy_repository(dest: Path, models_: Sequence[str] | None = None, onnx: Path | None = None) -> Path:
-    src = ROOT / "model_repository"
-    for model_dir in sorted(src.iterdir()):
-        if not model_dir.is_dir() or (models_ is not None and model_dir.name not in models_):
-            continue
-        shutil.copytree(model_dir, dest / model_dir.name, ignore=shutil.ignore_patterns("*.onnx", "__pycache__"))
-        if onnx is not None and (dest / model_dir.name / "1" / "model.py").exists():
-            os.symlink(onnx, dest / model_dir.name / "1" / "model.onnx")
-    return dest
 
 
 @pytest.fixture

@@ -1,0 +1,152 @@
+"""HTML canary report: latency distributions of baseline vs candidate, out-of-tolerance rate over time against
+the budget and the noise floor, and the decision timeline.
+
+Inputs are what an operator can see: the sidecar's /metrics text (latency histograms per role) and
+the canary status polled during the run (evidence counters over time) plus the decision record.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tunegate.records import atomic_write_text
+
+HIST = "tunegate_request_duration_seconds"
+ROLE_COLORS = {"primary": "#1d3557", "candidate": "#e76f51", "aa": "#8d99ae"}
+
+
+def latency_histograms(metrics_text: str, model: str) -> dict[str, list[tuple[float, float]]]:
+    """Per role, the (upper bound, count in bucket) pairs of the latency histogram (non-cumulative)."""
+    cumulative: dict[str, dict[float, float]] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name != HIST:
+            continue
+        for s in fam.samples:
+            if not s.name.endswith("_bucket") or s.labels.get("model", "").split("__")[0] != model:
+                continue
+            role = s.labels.get("role", "?")
+            le = float(s.labels["le"])
+            per_role = cumulative.setdefault(role, {})
+            per_role[le] = per_role.get(le, 0.0) + s.value
+    out: dict[str, list[tuple[float, float]]] = {}
+    for role, buckets in cumulative.items():
+        prev = 0.0
+        rows = []
+        for le in sorted(buckets):
+            rows.append((le, buckets[le] - prev))
+            prev = buckets[le]
+        out[role] = rows
+    return out
+
+
+def oot_series(timeline: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float | None], list[float | None]]:
+    ts, cand, aa = [], [], []
+    for p in timeline:
+        ts.append(float(p["t"]))
+        c, o = p.get("compared") or 0, p.get("out_of_tolerance") or 0
+        ac, ao = p.get("aa_compared") or 0, p.get("aa_out_of_tolerance") or 0
+        cand.append(o / c if c else None)
+        aa.append(ao / ac if ac else None)
+    return ts, cand, aa
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _figures(summary: Mapping[str, Any], metrics_text: str) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs: list[tuple[str, str]] = []
+    model = str(summary.get("tune", {}).get("model", "minilm"))
+    hists = latency_histograms(metrics_text, model)
+    if hists:
+        fig, ax = plt.subplots(figsize=(7, 3.8))
+        for role in ("primary", "candidate", "aa"):
+            rows = [(le, n) for le, n in hists.get(role, []) if le != float("inf")]
+            total = sum(n for _, n in hists.get(role, []))
+            if not rows or not total:
+                continue
+            ax.step([le * 1000 for le, _ in rows], [n / total for _, n in rows], where="pre",
+                    label=f"{role} ({int(total)} requests)", color=ROLE_COLORS.get(role))  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("latency upper bound (ms, histogram buckets)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title("latency: baseline (primary, aa) vs candidate")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        figs.append(("Latency distributions", _png(fig)))
+        plt.close(fig)
+    timeline = summary.get("timeline") or []
+    if timeline:
+        ts, cand, aa = oot_series(timeline)
+        budget = (summary.get("evidence") or {}).get("oot_budget")
+        fig, ax = plt.subplots(figsize=(7, 3.8))
+        ax.plot(ts, [c if c is not None else float("nan") for c in cand], label="candidate out-of-tolerance rate",
+                color=ROLE_COLORS["candidate"])  # fmt: skip
+        ax.plot(ts, [a if a is not None else float("nan") for a in aa], label="noise floor (A/A rate)",
+                color=ROLE_COLORS["aa"], linestyle="--")  # fmt: skip
+        if isinstance(budget, (int, float)):
+            ax.axhline(budget, color="#d62828", linestyle=":", label=f"budget {budget:g} (above the noise floor)")
+        ax.set_xlabel("seconds since the load started")
+        ax.set_ylabel("rate")
+        ax.set_title("out-of-tolerance rate over time")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        figs.append(("Out-of-tolerance rate", _png(fig)))
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        ax.plot(ts, [p.get("compared") or 0 for p in timeline], label="comparisons", color=ROLE_COLORS["primary"])
+        ax.plot(ts, [p.get("errors") or 0 for p in timeline], label="candidate errors", color="#d62828")
+        decided = next((p for p in timeline if p.get("state") in ("promoted", "pinned")), None)
+        if decided is not None:
+            ax.axvline(float(decided["t"]), color="black", linestyle="--",
+                       label=f"decision: {summary.get('decision')} at {decided['t']}s")  # fmt: skip
+        ax.set_xlabel("seconds since the load started")
+        ax.set_ylabel("count")
+        ax.set_title("decision timeline")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        figs.append(("Decision timeline", _png(fig)))
+        plt.close(fig)
+    return figs
+
+
+def write_canary_report(path: Path, summary: Mapping[str, Any], metrics_text: str) -> Path:
+    figs = _figures(summary, metrics_text)
+    reasons = "".join(f"<li>{html.escape(str(r))}</li>" for r in summary.get("reasons", []))
+    ev = summary.get("evidence") or {}
+    ev_rows = "".join(
+        f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))[:200]}</td></tr>"
+        for k, v in sorted(ev.items())
+        if not isinstance(v, (list, dict))
+    )
+    imgs = "".join(f"<h2>{html.escape(t)}</h2><img src='data:image/png;base64,{b}'>" for t, b in figs)
+    doc = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>tunegate canary: {html.escape(str(summary.get('decision')))}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td{{border:1px solid #ccc;padding:3px 8px;font-size:13px}}</style>
+</head><body>
+<h1>tunegate canary — decision: {html.escape(str(summary.get('decision')).upper())}</h1>
+<p>scenario <b>{html.escape(str(summary.get('scenario')))}</b>, candidate version {html.escape(str(summary.get('candidate')))},
+live version now {html.escape(str(summary.get('live_version')))}, decided by {html.escape(str(summary.get('decided_by')))}</p>
+<ul>{reasons}</ul>
+{imgs}
+<h2>Evidence</h2><table>{ev_rows}</table>
+<p>decision records: <code>{html.escape(str(summary.get('records')))}</code></p>
+</body></html>
+"""
+    atomic_write_text(path, doc)
+    return path
