@@ -108,6 +108,8 @@ def test_the_gate_rejects_int8_keeps_fp32_and_the_written_version_serves_the_in_
     assert set(RELEASE_KEYS) <= set(release)
     assert release["version"] == 2 and release["baseline_version"] == 1
     assert release["route"] == result.winner.route
+    assert release["search"] == {"backend": "onnxruntime", "strategy": "fast", "budget_s": 120.0,
+                                 "routes": "-opt=[all|disable|basic] -quant=[fp32|int8-channel]"}
     assert release["knobs"] == result.winner.knobs
     assert release["spec_digest"] == spec.digest and release["spec"]["model"]["name"] == "tiny"
     assert ToleranceSpec.from_dict(release["tolerance"]).to_dict() == spec.tolerance.to_dict()

@@ -248,7 +248,8 @@ def _tune(spec: TuneSpec, builder: Builder, strategy: str, budget: float, resume
           write: bool, baseline_version: int, baseline_dir: Path, t_start: float) -> TuneResult:
     versions_info = tool_versions(builder)
     header = {"spec_digest": spec.digest, "spec_path": str(spec.path), "model": spec.model.name,
-              "backend": builder.name, "strategy": strategy, "budget_s": budget, "versions": versions_info}
+              "backend": builder.name, "strategy": strategy, "budget_s": budget, "routes": spec.search.routes,
+              "versions": versions_info}
     cache = SearchCache.open(spec.workdir / "cache.jsonl", header, resume=resume)
 
     with Reporter(progress) as rep:
@@ -294,7 +295,8 @@ def _tune(spec: TuneSpec, builder: Builder, strategy: str, budget: float, resume
         version = version_path = release = None
         if winner is not None and write:
             rep.note(f"rebuilding the winner once and writing it: {winner.route}")
-            version, version_path, release = write_winner(spec, builder, winner, baseline, e2e, inputs, versions_info)
+            version, version_path, release = write_winner(spec, builder, winner, baseline, e2e, inputs, versions_info,
+                                                            {k: header[k] for k in ("backend", "strategy", "budget_s", "routes")})
     report = write_report(
         spec.workdir / "report.html",
         {"model": spec.model.name, "spec": str(spec.path), "spec_digest": spec.digest, "strategy": strategy,

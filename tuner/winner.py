@@ -65,8 +65,8 @@ def serve_finalists(spec: TuneSpec, builder: Builder, baseline_dir: Path, finali
 
 
 def write_winner(spec: TuneSpec, builder: Builder, winner: RouteResult, baseline: dict[str, Any],
-                  e2e: dict[str, Any], inputs: InputSet, versions_info: dict[str, Any]
-                  ) -> tuple[int, Path, dict[str, Any]]:
+                  e2e: dict[str, Any], inputs: InputSet, versions_info: dict[str, Any],
+                  search: Mapping[str, Any]) -> tuple[int, Path, dict[str, Any]]:
     artifact = load_artifact(winner)
     outputs = gate.run_all(builder.load(artifact), inputs)
     rebuild_dir = spec.workdir / "rebuild" / route_id(winner.route)
@@ -99,6 +99,7 @@ def write_winner(spec: TuneSpec, builder: Builder, winner: RouteResult, baseline
         baseline_version=int(baseline["version"]), rebuild_identical=bool(identical) if identical is not None else False,
         versions=versions_info, build_seconds=float(winner.build_seconds or 0.0), inputs_digest=inputs.digest,
     )
+    release["search"] = dict(search)  # as run: strategy, budget, and the route expression (--routes may override)
     release["inputs"] = {"gate_batches": [b.label for b in inputs.gate], "bench_shapes": [s.key for s in inputs.bench]}
     if identical is None:
         release["rebuild_error"] = "the rebuild failed; see the log"
