@@ -73,6 +73,9 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
     from loadtest.runner import run as run_locust
     from loadtest.synth import SynthSpec, write_synthetic
     from sidecar.client import AdminClient, AdminError, SidecarProcess, write_token_file
+    from tuner.cache import CacheError
+    from tuner.inputs import InputsError
+    from tuner.routes import RouteError
     from tuner.search import TuneError, tune
     from tuner.spec import SpecError, load_spec
 
@@ -112,7 +115,7 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
         step(f"tuning {spec.model.name} ({spec.search.strategy} search, routes {spec.search.routes})")
         try:
             result = tune(spec, budget_s=opts.tune_budget_s, progress=opts.progress)
-        except TuneError as exc:
+        except (TuneError, CacheError, InputsError, RouteError, SpecError) as exc:
             raise DemoError(f"tuning failed: {exc}") from exc
         t = mark("tune", t)
         summary: dict[str, Any] = {
