@@ -4,7 +4,6 @@ Prometheus, Grafana, sidecar and Locust configs, the Triton image matching the e
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import json
 import os
@@ -191,7 +190,7 @@ def test_triton_uses_explicit_model_control_on_the_shared_repository(
 def test_native_repository_config_is_what_the_writer_emits() -> None:
     from tunegate import models
 
-    native = dataclasses.replace(models.minilm_config(), form="onnxruntime")
+    native = models.minilm_native_config()
     committed = COMPOSE / "model_repository" / native.name / "config.pbtxt"
     assert committed.read_text() == native.pbtxt(), (
         "regenerate: tunegate model native --dest compose/model_repository"

@@ -81,8 +81,7 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 def cmd_native(args: argparse.Namespace) -> int:
     onnx_path = models.minilm_onnx(args.cache)
-    cfg = models.minilm_config()
-    native = dataclasses.replace(cfg, form="onnxruntime")
+    native = models.minilm_native_config()
     path = write_native(args.dest, native, onnx_path)
     if args.json:
         emit_json({"config": str(path)})

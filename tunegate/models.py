@@ -6,6 +6,7 @@ only by `export_minilm` (the `model` extra); everything else runs with onnx, onn
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -63,6 +64,11 @@ def minilm_config() -> ModelConfig:
         form="python-onnx",
         versions=(1,),
     )
+
+
+def minilm_native_config() -> ModelConfig:
+    """The production form: Triton's onnxruntime backend, placed by Triton (a GPU where the host has one)."""
+    return dataclasses.replace(minilm_config(), form="onnxruntime", kind=None)
 
 
 def tiny_config(name: str = TINY) -> ModelConfig:

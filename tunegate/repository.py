@@ -68,7 +68,7 @@ class ModelConfig:
     max_batch_size: int = 0
     versions: tuple[int, ...] | None = None  # None: Triton's default (latest)
     instance_count: int = 1
-    kind: str = "KIND_CPU"
+    kind: str | None = "KIND_CPU"  # None: no instance_group, Triton places it (GPU where there is one)
     parameters: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def pbtxt(self) -> str:
@@ -87,7 +87,8 @@ class ModelConfig:
             lines.append(f"version_policy: {{ specific: {{ versions: [ {vs} ] }} }}")
         lines.append("input [\n" + ",\n".join(t.pbtxt() for t in self.inputs) + "\n]")
         lines.append("output [\n" + ",\n".join(t.pbtxt() for t in self.outputs) + "\n]")
-        lines.append(f"instance_group [ {{ count: {self.instance_count} kind: {self.kind} }} ]")
+        if self.kind is not None:
+            lines.append(f"instance_group [ {{ count: {self.instance_count} kind: {self.kind} }} ]")
         for k, v in self.parameters.items():
             lines.append(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}')
         return "\n".join(lines) + "\n"
@@ -104,8 +105,9 @@ class ModelConfig:
                 {"name": t.name, "data_type": f"TYPE_{_pb_type(t.datatype)}", "dims": list(t.dims)}
                 for t in self.outputs
             ],
-            "instance_group": [{"count": self.instance_count, "kind": self.kind}],
         }
+        if self.kind is not None:
+            cfg["instance_group"] = [{"count": self.instance_count, "kind": self.kind}]
         if self.form == "python-onnx":
             cfg["backend"] = "python"
         elif self.form == "onnxruntime":
