@@ -181,7 +181,8 @@ class CanaryManager:
             return
         ev.sent += 1
         ev.compared += 1
-        ev.add_pair(primary_s, cand_s)
+        if ev.compared > canary.params.warmup_samples:
+            ev.add_pair(primary_s, cand_s)
         self._count(canary, cmp, "candidate")
         if not cmp.passed:
             ev.out_of_tolerance += 1

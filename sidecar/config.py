@@ -46,6 +46,7 @@ class CanaryParams:
     oot_budget: float = 0.005  # out-of-tolerance rate allowed above the A/A noise floor
     error_budget: float = 0.01
     confidence: float = 0.99
+    warmup_samples: int = 20  # first candidate responses: outputs compared, latency not used (cold model)
 
     def __post_init__(self) -> None:
         _fraction("sample_rate", self.sample_rate, open_low=True)
@@ -58,10 +59,11 @@ class CanaryParams:
             raise ConfigError(f"latency_slack must be within [0, 10), got {self.latency_slack!r}")
         if not isinstance(self.confidence, float) or not 0.5 < self.confidence < 1.0:
             raise ConfigError(f"confidence must be within (0.5, 1), got {self.confidence!r}")
-        for name in ("max_in_flight", "min_samples"):
+        for name in ("max_in_flight", "min_samples", "warmup_samples"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "warmup_samples" else 1):
+                raise ConfigError(f"{name} must be a {'non-negative' if name == 'warmup_samples' else 'positive'} "
+                                  f"integer, got {v!r}")  # fmt: skip
 
     def judge_params(self) -> JudgeParams:
         return JudgeParams(

@@ -277,9 +277,11 @@ async def test_bad_requests_get_tritons_answer_and_the_sidecar_stays_up(
         assert r.status == 413
     seen = await drive(client, sidecar.url, "plain", until_decided=False, requests=3, concurrency=1)
     assert set(seen["codes"]) == {200}
-    for path in ("/v2/health/ready", "/v2/models/plain", "/v2/models/plain/config", "/v2"):
+    # Server readiness depends on other tests' models (a failed reload makes it 400): compare, don't assume.
+    for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/plain", "/v2/models/plain/config", "/v2"):
         async with client.get(f"{sidecar.url}{path}") as r, client.get(f"{triton.http_url}{path}") as d:
-            assert r.status == d.status == 200 and await r.read() == await d.read(), path
+            assert r.status == d.status and await r.read() == await d.read(), path
+            assert r.status == 200 or path == "/v2/health/ready", path
 
 
 def test_stock_tritonclient_http_works_through_the_sidecar(sidecar_process_url: str) -> None:

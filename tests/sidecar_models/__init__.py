@@ -17,7 +17,8 @@ TOLERANCE = {"y": {"metric": "linf", "threshold": 1e-3}}
 TOKEN = "test-admin-token-0123456789"
 # Small canaries for tests: the statistics still decide, on fewer samples.
 FAST_PARAMS = {"min_samples": 60, "oot_budget": 0.05, "error_budget": 0.05, "confidence": 0.95,
-               "latency_slack": 0.5, "deadline_s": 60, "aa_rate": 0.2}  # fmt: skip
+               "latency_slack": 0.5, "deadline_s": 60, "aa_rate": 0.2,
+               "max_in_flight": 4}  # fmt: skip
 
 
 def config(name: str) -> ModelConfig:
