@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -145,7 +146,7 @@ class CanaryManager:
             async with self.session.post(f"{self.config.upstream_base}{path}", data=payload(body), headers=headers,
                                          timeout=timeout) as resp:  # fmt: skip
                 out = Response(resp.status, await resp.read(), dict(resp.headers))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.metrics.mirror_errors.labels(canary.model, str(version), role, "timeout").inc()
             return "timeout"
         except aiohttp.ClientError as exc:
@@ -153,8 +154,7 @@ class CanaryManager:
             self.metrics.mirror_errors.labels(canary.model, str(version), role, "error").inc()
             return "error"
         dt = time.perf_counter() - t0
-        self.metrics.requests.labels(canary.model, str(version), role, str(out.status)).inc()
-        self.metrics.latency.labels(canary.model, str(version), role).observe(dt)
+        self.metrics.observe_request(canary.model, str(version), role, out.status, dt)
         if out.status != 200:
             self.metrics.mirror_errors.labels(canary.model, str(version), role, "error").inc()
         return out, dt
@@ -290,9 +290,8 @@ class CanaryManager:
             if canary.pending is not None:
                 continue
             snap = canary.evidence.snapshot()
-            j = await loop.run_in_executor(
-                None, lambda: judge(snap, canary.params.judge_params(), now=time.time(), deadline=canary.deadline)
-            )
+            call = functools.partial(judge, snap, canary.params.judge_params(), now=time.time(), deadline=canary.deadline)
+            j = await loop.run_in_executor(None, call)
             canary.judgement = j.to_dict()
             self.metrics.candidate_oot_rate.labels(model).set(j.stats["oot_rate"])
             if j.final and self.canaries.get(model) is canary:

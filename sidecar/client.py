@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 
 class AdminError(RuntimeError):
@@ -110,7 +110,7 @@ class SidecarProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> SidecarProcess:
+    def start(self) -> Self:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         ready = Path(tempfile.mkdtemp(prefix="sidecar-ready-")) / "port"
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it; closed below
@@ -152,7 +152,7 @@ class SidecarProcess:
             return proc.wait(timeout=5)
         return None
 
-    def __enter__(self) -> SidecarProcess:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:

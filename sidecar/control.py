@@ -42,7 +42,7 @@ def shadow_name(model: str) -> str:
 
 
 def _rename_model(config_text: str, name: str) -> str:
-    text, n = re.subn(r'^(\s*name\s*:\s*)"[^"]*"', rf'\g<1>"{name}"', config_text, count=1, flags=re.M)
+    text, n = re.subn(r'^(\s*name\s*:\s*)"[^"]*"', rf'\g<1>"{name}"', config_text, count=1, flags=re.MULTILINE)
     if n == 0:
         text = f'name: "{name}"\n' + config_text
     return text
@@ -114,7 +114,7 @@ class TritonControl:
         try:
             async with self.session.post(f"{self.base}{path}", json=body or {}, timeout=self.timeout) as resp:
                 return resp.status, await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise ControlError(f"POST {path}: Triton unreachable: {exc!r}") from exc
 
     async def load(self, name: str) -> None:
@@ -133,7 +133,7 @@ class TritonControl:
             async with self.session.get(f"{self.base}{path}", timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 await resp.read()
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     # -- canary lifecycle ----------------------------------------------------------------------

@@ -26,6 +26,7 @@ from statistics import NormalDist
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 CONTINUE = "continue"
 PROMOTE = "promote"
@@ -98,23 +99,23 @@ def wilson_bounds(k: int, n: int, z: float) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def median_ratio(primary: np.ndarray, candidate: np.ndarray, z: float) -> tuple[float, float, float]:
+def median_ratio(primary: npt.NDArray[np.float64], candidate: npt.NDArray[np.float64], z: float) -> tuple[float, float, float]:
     """Median of per-request ratios candidate/primary with a sign-test (order statistic) interval."""
     d = np.sort(np.log(candidate) - np.log(primary))
     n = d.size
     half = z * math.sqrt(n) / 2.0
-    lo = max(0, int(math.floor(n / 2.0 - half)))
-    hi = min(n - 1, int(math.ceil(n / 2.0 + half)))
+    lo = max(0, math.floor(n / 2.0 - half))
+    hi = min(n - 1, math.ceil(n / 2.0 + half))
     return float(np.exp(np.median(d))), float(np.exp(d[lo])), float(np.exp(d[hi]))
 
 
-def _q95_rows(a: np.ndarray) -> np.ndarray:
+def _q95_rows(a: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     # Nearest-rank p95 along the last axis with one partition: several times cheaper than np.quantile.
-    k = int(round(0.95 * (a.shape[-1] - 1)))
+    k = round(0.95 * (a.shape[-1] - 1))
     return np.partition(a, k, axis=-1)[..., k]
 
 
-def p95_ratio(primary: np.ndarray, candidate: np.ndarray, confidence: float) -> tuple[float, float, float]:
+def p95_ratio(primary: npt.NDArray[np.float64], candidate: npt.NDArray[np.float64], confidence: float) -> tuple[float, float, float]:
     """Ratio of p95s with a paired percentile bootstrap, seeded from the data (deterministic)."""
     primary, candidate = primary[-BOOTSTRAP_MAX_PAIRS:], candidate[-BOOTSTRAP_MAX_PAIRS:]
     n = primary.size
@@ -123,8 +124,8 @@ def p95_ratio(primary: np.ndarray, candidate: np.ndarray, confidence: float) -> 
     idx = rng.integers(0, n, size=(BOOTSTRAP_RESAMPLES, n))
     ratios = np.sort(_q95_rows(candidate[idx]) / _q95_rows(primary[idx]))
     alpha = 1.0 - confidence
-    lo = ratios[int(math.floor(alpha * (BOOTSTRAP_RESAMPLES - 1)))]
-    hi = ratios[int(math.ceil((1.0 - alpha) * (BOOTSTRAP_RESAMPLES - 1)))]
+    lo = ratios[math.floor(alpha * (BOOTSTRAP_RESAMPLES - 1))]
+    hi = ratios[math.ceil((1.0 - alpha) * (BOOTSTRAP_RESAMPLES - 1))]
     return point, float(lo), float(hi)
 
 

@@ -9,6 +9,8 @@ noise floor).
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 ROLES = ("primary", "candidate", "aa")
@@ -25,6 +27,7 @@ LATENCY_BUCKETS = (
 class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._children: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
         self.requests = Counter(
             "tunegate_requests", "Inference requests by model, version, role and HTTP status code.",
             ["model", "version", "role", "code"], registry=registry,
@@ -90,6 +93,19 @@ class SidecarMetrics:
             "tunegate_last_decision_timestamp_seconds", "When the last decision of each outcome was made.",
             ["model", "outcome"], registry=registry,
         )  # fmt: skip
+
+    def observe_request(self, model: str, version: str, role: str, code: int, seconds: float | None) -> None:
+        """Count one request (and its latency); label children are cached, the client path calls this per request."""
+        key = (model, version, role, code)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self.requests.labels(model, version, role, str(code)),
+                self.latency.labels(model, version, role),
+            )
+        children[0].inc()
+        if seconds is not None:
+            children[1].observe(seconds)
 
     def init_model(self, model: str, outputs: tuple[str, ...] = ()) -> None:
         """Pre-initialise label values so dashboards show zeros, not gaps, before the first event."""

@@ -18,7 +18,6 @@ from typing import Any
 from tunegate import codec
 from tunegate.tolerance import ToleranceSpec, compare
 
-
 LARGE_BODY = 1 << 20  # aiohttp copies raw bytes above this on the loop and warns
 
 

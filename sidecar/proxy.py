@@ -6,7 +6,6 @@ mirror is offered the request only after the response is in hand, and never dela
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -39,7 +38,7 @@ HOP_BY_HOP = frozenset({
 CONTROL_PATH = re.compile(r"^/v2/repository/models/[^/]+/(load|unload)$")
 
 
-def _forward_headers(headers: "aiohttp.typedefs.LooseHeaders") -> dict[str, str]:
+def _forward_headers(headers: aiohttp.typedefs.LooseHeaders) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}  # type: ignore[union-attr]
 
 
@@ -52,10 +51,12 @@ async def _forward(request: web.Request, path: str, body: bytes | None) -> tuple
     url = f"{cfg.upstream_base}{path}"
     t0 = time.perf_counter()
     try:
-        async with session.request(request.method, url, params=request.query, data=payload(body),
+        if request.query_string:
+            url = f"{url}?{request.query_string}"
+        async with session.request(request.method, url, data=payload(body),
                                    headers=_forward_headers(request.headers)) as resp:  # fmt: skip
             out = Response(resp.status, await resp.read(), _forward_headers(resp.headers))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return _error(504, f"upstream Triton did not answer within {cfg.upstream_timeout_s:g}s")
     except aiohttp.ClientError as exc:
         return _error(502, f"upstream Triton unreachable: {exc.__class__.__name__}")
@@ -74,11 +75,10 @@ async def infer(request: web.Request) -> web.StreamResponse:
     path = f"/v2/models/{model}" + (f"/versions/{routed}" if routed else "") + "/infer"
     got = await _forward(request, path, body)
     if isinstance(got, web.Response):
-        metrics.requests.labels(model, routed or "", "primary", str(got.status)).inc()
+        metrics.observe_request(model, routed or "", "primary", got.status, None)
         return got
     resp, seconds = got
-    metrics.requests.labels(model, routed or "", "primary", str(resp.status)).inc()
-    metrics.latency.labels(model, routed or "", "primary").observe(seconds)
+    metrics.observe_request(model, routed or "", "primary", resp.status, seconds)
     request_id = None
     if version is None and model in manager.canaries:
         request_id = uuid.uuid4().hex  # names this request in exemplars and captures

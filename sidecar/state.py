@@ -84,7 +84,7 @@ class StateStore:
         if not self.path.exists():
             return {"version": STATE_VERSION, "models": {}}
         try:
-            data = json.loads(self.path.read_text())
+            data: dict[str, Any] = json.loads(self.path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise StateError(
                 f"{self.path} cannot be read ({exc}); it is written atomically, so this is not a torn write: "
@@ -95,7 +95,7 @@ class StateStore:
         return data
 
     def model(self, name: str) -> dict[str, Any]:
-        models: dict[str, Any] = self.data["models"]
+        models: dict[str, dict[str, Any]] = self.data["models"]
         return models.setdefault(name, {"live": None, "canary": None, "last": None})
 
     def models(self) -> dict[str, dict[str, Any]]:
@@ -109,7 +109,8 @@ class StateStore:
 
     def snapshot(self) -> dict[str, Any]:
         # A deep copy through JSON: the saving thread must not see the loop mutating lists.
-        return json.loads(json.dumps(self.data))
+        copy: dict[str, Any] = json.loads(json.dumps(self.data))
+        return copy
 
     def decision_for(self, canary_id: str) -> dict[str, Any] | None:
         for rec in self.decisions.read():
