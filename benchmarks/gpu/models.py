@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,9 @@ def export_onnx(name: str, dest: Path, opset: int = 17) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=".onnx", dir=dest.parent)
     os.close(fd)
     try:
-        with torch.no_grad():
+        # The TorchScript exporter on purpose (as tunegate/models.py): the dynamo one needs onnxscript.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
             torch.onnx.export(
                 model, tuple(examples), tmp, input_names=[n for n, _, _ in io.inputs],
                 output_names=[n for n, _ in io.outputs], dynamic_axes=axes, opset_version=opset,

@@ -33,6 +33,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks.gpu.models import INTERFACES, export_onnx
+from tunegate.records import atomic_write_json, atomic_write_text
+from tunegate.repository import ModelConfig, TensorSpec, write_config, write_version
+from tunegate.tolerance import ToleranceSpec
 from tuner.bench import bench_runner, objective, stats
 from tuner.builders.base import Artifact, BuildContext, BuildError
 from tuner.builders.inductor import InductorBuilder
@@ -42,9 +45,6 @@ from tuner.gate import evidence, judge, run_all
 from tuner.inputs import Batch, BenchShape, InputSet
 from tuner.routes import parse_route, route_string
 from tuner.spec import ObjectiveSection
-from tunegate.records import atomic_write_json, atomic_write_text
-from tunegate.repository import ModelConfig, TensorSpec, write_config, write_version
-from tunegate.tolerance import ToleranceSpec
 
 LOG = logging.getLogger("gpu-run")
 
@@ -103,10 +103,14 @@ def encode(feeds: dict[str, np.ndarray], outputs: list[str]) -> tuple[bytes, int
     return head + b"".join(blobs), len(head)
 
 
-def decode(body: bytes, header_len: int) -> dict[str, np.ndarray]:
-    doc = json.loads(body[:header_len])
-    out, pos = {}, header_len
+def decode(body: bytes, header_len: int | None) -> dict[str, np.ndarray]:
+    """Outputs of a response: binary blobs after the JSON header, or JSON `data` where the server sent those."""
+    doc = json.loads(body if header_len is None else body[:header_len])
+    out, pos = {}, header_len or 0
     for o in doc["outputs"]:
+        if "data" in o:
+            out[o["name"]] = np.asarray(o["data"], dtype=np.float32).reshape(o["shape"])
+            continue
         size = o["parameters"]["binary_data_size"]
         out[o["name"]] = np.frombuffer(body[pos : pos + size], dtype=np.float32).reshape(o["shape"])
         pos += size
@@ -125,7 +129,14 @@ class Client:
         data = resp.read()
         if resp.status != 200:
             raise RuntimeError(f"infer {model}/{version}: HTTP {resp.status}: {data[:300]!r}")
-        return decode(data, int(resp.headers["Inference-Header-Content-Length"]))
+        # The H200 run (2026-12-02) got a 200 without this header on its first BERT request, and kept no
+        # body to say why: a JSON body is decoded, anything else is reported with its first bytes.
+        header = resp.headers.get("Inference-Header-Content-Length")
+        try:
+            return decode(data, int(header) if header is not None else None)
+        except (ValueError, KeyError) as exc:
+            raise RuntimeError(f"infer {model}/{version}: unreadable response ({exc}); headers "
+                               f"{dict(resp.headers)}; body starts {data[:300]!r}") from exc
 
     def close(self) -> None:
         self.conn.close()
@@ -196,6 +207,35 @@ def evaluate(builder: InductorBuilder, run: RouteRun, inputs: InputSet, referenc
     LOG.info("evaluated %s: %s %s", run.route, run.status, run.objective_ms)
 
 
+def locate_triton() -> None:
+    """Find the carried pytriton's server without importing pytriton, whose client needs gevent (absent there).
+
+    tunegate.triton.TritonDistribution.locate imports the package; where that import fails for want
+    of pytriton's client dependencies, the same paths are found from the package's location instead.
+    """
+    import importlib.util
+
+    from tunegate import triton as tg_triton
+
+    try:
+        tg_triton.TritonDistribution.locate()
+        return
+    except tg_triton.TritonError:
+        spec = importlib.util.find_spec("pytriton")
+        if spec is None or spec.origin is None:
+            raise
+    root = Path(spec.origin).resolve().parent
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    dist = tg_triton.TritonDistribution(
+        server=root / "tritonserver" / "bin" / "tritonserver",
+        python_backend=root / "tritonserver" / "backends" / "python",
+        stub=root / "tritonserver" / "python_backend_stubs" / ver / "triton_python_backend_stub",
+        libs=root.parent / "nvidia_pytriton.libs",
+    )
+    LOG.info("pytriton does not import here (its client needs gevent); using its server at %s", dist.server)
+    tg_triton.TritonDistribution.locate = classmethod(lambda cls: dist)  # type: ignore[method-assign]
+
+
 def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: InductorBuilder, inputs: InputSet,
           tolerance: ToleranceSpec, requests: int, concurrency: int) -> dict[str, Any]:
     """Write versions 1 (baseline) and 2 (winner), serve both from Triton, check outputs, drive paired load."""
@@ -214,6 +254,7 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
     )
     write_config(repo, config)
     outputs = [n for n, _ in io.outputs]
+    locate_triton()
     result: dict[str, Any] = {"through": "Triton directly (the sidecar proxy had not landed)", "versions": {"1": base.route, "2": winner.route}}
     t0 = time.perf_counter()
     with EmbeddedTriton(TritonOptions(repository=repo, models=(name,), startup_timeout_s=300)) as server:
@@ -230,7 +271,8 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
                 times: dict[int, list[float]] = {1: [], 2: []}
                 lock = threading.Lock()
 
-                def drive(version: int, n: int, conc: int = conc, shape: BenchShape = shape) -> None:
+                def drive(version: int, n: int, conc: int = conc, shape: BenchShape = shape,
+                          times: dict[int, list[float]] = times, lock: threading.Lock = lock) -> None:
                     def worker(k: int) -> None:
                         c = Client(server.http_port)
                         try:
@@ -246,7 +288,8 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
 
                 for v in (1, 2):
                     drive(v, 4 * conc)  # warm-up: graph capture, allocator
-                times = {1: [], 2: []}
+                for kept in times.values():  # the warm-up is not measured
+                    kept.clear()
                 block = max(conc, requests // 8)
                 w0 = time.perf_counter()
                 for _ in range(4):  # paired blocks A B B A: drift hits both versions alike
@@ -307,7 +350,7 @@ def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, 
     if winner is not None and base.status == "passed":
         try:
             result["triton"] = serve(name, model_work / "repo", base, winner, builder, inputs, tolerance, requests, concurrency=4)
-        except Exception as exc:  # noqa: BLE001 - the search results above still stand
+        except Exception as exc:
             LOG.exception("serving failed")
             result["triton"] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
     result["model_wall_s"] = time.monotonic() - t_model

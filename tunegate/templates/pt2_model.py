@@ -98,6 +98,6 @@ class TritonPythonModel:
                 outs = self.runner(feeds)
                 tensors = [pb_utils.Tensor(n, np.ascontiguousarray(outs[n])) for n in self.config_outputs]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
-            except Exception as exc:  # one bad request must not take the batch down
+            except Exception as exc:  # noqa: BLE001 - one bad request must not take the batch down
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
         return responses
