@@ -8,8 +8,14 @@ import pytest
 
 from tuner.builders import get_builder
 from tuner.builders.base import Artifact, BuildContext, BuildError
-from tuner.builders.inductor import PT2_MODEL_PY, InductorBuilder, inductor_configs, load_factory, wants_cudagraphs
-from tuner.routes import parse_route, parse_space, full_routes
+from tuner.builders.inductor import (
+    PT2_MODEL_PY,
+    InductorBuilder,
+    inductor_configs,
+    load_factory,
+    wants_cudagraphs,
+)
+from tuner.routes import full_routes, parse_route, parse_space
 
 torch = pytest.importorskip("torch", reason="the Inductor builder needs torch (pip install -e '.[model]')")
 CUDA = torch.cuda.is_available()
@@ -71,3 +77,22 @@ def test_version_files_are_the_package_the_runtime_and_the_template(tmp_path: Pa
     assert files["model.pt2"] == tmp_path / "model.pt2"
     assert '"device": "cpu"' in str(files["runtime.json"])
     assert files["model.py"] == PT2_MODEL_PY.read_text() and "aoti_load_package" in str(files["model.py"])
+
+
+def test_a_tuning_spec_names_the_torch_model_with_no_new_keys(tmp_path: Path) -> None:
+    from benchmarks.gpu.models import export_onnx
+    from tuner.search import plan
+    from tuner.spec import parse_spec
+
+    export_onnx("tiny", tmp_path / "tiny.onnx")
+    raw = {
+        "model": {"name": "tiny", "source": "tiny.onnx", "repository": "repo"},
+        "tolerance": {"*": {"metric": "cosine", "threshold": 0.999}},
+        "search": {"backend": "inductor", "routes": "-dtype=[fp32|bf16|fp16] -freezing=[off|on]",
+                   "options": {"torch_model": "benchmarks.gpu.models:tiny"}},
+    }
+    spec = parse_spec(raw, tmp_path / "spec.toml")
+    assert spec.search.options["torch_model"] == "benchmarks.gpu.models:tiny"
+    p = plan(spec, "fast")
+    assert p["backend"] == "inductor" and p["available"]
+    assert len(p["routes"]) == 4 and p["routes"][0].startswith("-dtype=fp32 -mode=default")
