@@ -288,6 +288,7 @@ class CanaryManager:
         loop = asyncio.get_running_loop()
         for model, canary in list(self.canaries.items()):
             if canary.pending is not None:
+                await self._retry(canary)
                 continue
             snap = canary.evidence.snapshot()
             call = functools.partial(judge, snap, canary.params.judge_params(), now=time.time(), deadline=canary.deadline)
@@ -315,7 +316,19 @@ class CanaryManager:
             }  # fmt: skip
             self.store.model(model)["canary"] = canary.to_dict()
             await self._save()
-            await self._complete(canary)
+            try:
+                await self._complete(canary)
+            except Exception:  # the decision is durable as pending; the ticker retries the action
+                LOG.exception("acting on the %s decision for %s failed; will retry", j.outcome, model)
+
+    async def _retry(self, canary: Canary) -> None:
+        """A decision whose action failed unexpectedly (say, the repository was not writable) is retried each tick."""
+        lock = self._locks[canary.model]
+        if lock.locked():
+            return  # being completed right now
+        async with lock:
+            if self.canaries.get(canary.model) is canary and canary.pending is not None:
+                await self._complete(canary)
 
     async def _complete(self, canary: Canary) -> None:
         """Act on a pending decision (idempotent), append its record once, clear the canary."""

@@ -82,3 +82,34 @@ async def test_bounded_tasks_drop_when_full_and_drain() -> None:
     gate.clear()
     assert tasks.offer(job(4))
     assert await tasks.drain(timeout_s=0.01) == 1 and len(tasks) == 0 and 4 not in done
+
+
+async def test_unreachable_upstream_is_a_clear_502(tmp_path: Path) -> None:
+    import aiohttp
+    from aiohttp import web
+    from prometheus_client import CollectorRegistry
+
+    from sidecar.app import build_app
+    from sidecar.config import SidecarConfig
+    from tunegate.triton import free_port
+
+    cfg = SidecarConfig(upstream=f"http://127.0.0.1:{free_port()}", state_dir=tmp_path / "st", repository=tmp_path,
+                        admin_token="0123456789abcdef-token")  # fmt: skip
+    registry = CollectorRegistry()
+    runner = web.AppRunner(build_app(cfg, registry))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/v2/models/m/infer", data=b"{}") as r:
+                assert r.status == 502 and "unreachable" in (await r.json())["error"]
+            async with s.get(f"{url}/v2/health/ready") as r:
+                assert r.status == 502
+            async with s.get(f"{url}/healthz") as r:
+                assert r.status == 200  # the sidecar itself stays up
+    finally:
+        await runner.cleanup()
+    assert registry.get_sample_value("tunegate_requests_total", {"model": "m", "version": "", "role": "primary",
+                                                                 "code": "502"}) == 1  # fmt: skip
