@@ -157,7 +157,7 @@ def wrk(url: str, concurrency: int, duration_s: float, lua: Path) -> dict[str, f
          f"{url}/v2/models/ident/infer" if "/v2/" not in url else url],
         capture_output=True, text=True, timeout=duration_s + 60, check=True,
     ).stdout  # fmt: skip
-    dist = dict(re.findall(r"^\s+(50|75|90|99)%\s+(\S+)$", out, re.M))
+    dist = dict(re.findall(r"^\s+(50|75|90|99)%\s+(\S+)$", out, re.MULTILINE))
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     return {"rps": rps, "p50_ms": _ms(dist["50"]), "p99_ms": _ms(dist["99"]),
