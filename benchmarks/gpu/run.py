@@ -121,9 +121,10 @@ class Client:
     def __init__(self, port: int) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
 
-    def infer(self, model: str, version: int, feeds: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+    def infer(self, model: str, version: int | None, feeds: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         body, hl = encode(feeds, outputs)
-        self.conn.request("POST", f"/v2/models/{model}/versions/{version}/infer", body,
+        path = f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "") + "/infer"
+        self.conn.request("POST", path, body,
                           {"Inference-Header-Content-Length": str(hl), "Content-Type": "application/octet-stream"})
         resp = self.conn.getresponse()
         data = resp.read()
@@ -306,9 +307,77 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
     return result
 
 
+def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, concurrency: int, work: Path,
+           min_samples: int = 200, deadline_s: float = 120.0) -> dict[str, Any]:
+    """The sidecar canary under load: Triton serves version 1, the sidecar mirrors to 2 and decides.
+
+    Needs tritonclient's utils (tunegate.codec imports them); the device image has no tritonclient.
+    """
+    import secrets
+
+    from sidecar.client import AdminClient, SidecarProcess, write_token_file
+    from tunegate.repository import set_version_policy
+    from tunegate.triton import EmbeddedTriton, TritonOptions
+
+    locate_triton()
+    config = repo / name / "config.pbtxt"
+    atomic_write_text(config, set_version_policy(config.read_text(), [1]))  # 2 is served by the sidecar's shadow
+    outputs = [n for n, _ in INTERFACES[name].outputs]
+    shape = max(inputs.bench, key=lambda b: b.batch)
+    token = secrets.token_hex(16)
+    token_file = write_token_file(work / "admin-token", token)
+    client_times: list[float] = []
+    errors: list[str] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+    with EmbeddedTriton(TritonOptions(repository=repo, models=(name,), startup_timeout_s=300)) as server, \
+            SidecarProcess(upstream=server.http_url, state_dir=work / "sidecar", repository=repo,
+                           token_file=token_file) as sidecar:
+        admin = AdminClient(sidecar.url, token)
+        admin.start(name, 2, tolerance=tolerance.to_dict(), min_samples=min_samples, deadline_s=deadline_s,
+                    sample_rate=1.0)
+
+        def load() -> None:
+            c = Client(sidecar.port)
+            try:
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    try:
+                        c.infer(name, None, shape.feeds, outputs)
+                    except Exception as exc:  # noqa: BLE001 - counted, and the load goes on
+                        with lock:
+                            errors.append(str(exc)[:200])
+                        c.close()
+                        c = Client(sidecar.port)
+                        continue
+                    with lock:
+                        client_times.append(time.perf_counter() - t)
+            finally:
+                c.close()
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=load, daemon=True) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        try:
+            status = admin.wait_decision(name, timeout_s=deadline_s + 60)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+        decisions = admin.decisions(name)
+    return {
+        "through": "tunegate sidecar (KServe v2 proxy) in front of the embedded Triton",
+        "shape": shape.key, "concurrency": concurrency, "wall_s": time.perf_counter() - t0,
+        "client_latency": stats(client_times, bootstrap=1000, rows=shape.batch) if client_times else None,
+        "client_errors": len(errors), "first_errors": errors[:3],
+        "state": status.get("state"), "status": status, "decisions": decisions,
+    }
+
+
 def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, repeats: int, requests: int,
               device: str = "cuda", routes: list[str] | None = None, min_speedup: float = 1.05,
-              autotune_parallel: bool = False) -> dict[str, Any]:
+              autotune_parallel: bool = False, do_canary: bool = False) -> dict[str, Any]:
     t_model = time.monotonic()
     builder = InductorBuilder()
     model_work = work / name
@@ -353,6 +422,12 @@ def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, 
         except Exception as exc:
             LOG.exception("serving failed")
             result["triton"] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
+        if do_canary:
+            try:
+                result["canary"] = canary(name, model_work / "repo", inputs, tolerance, 4, model_work)
+            except Exception as exc:
+                LOG.exception("the canary failed")
+                result["canary"] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
     result["model_wall_s"] = time.monotonic() - t_model
     atomic_write_json(out / f"{name}.json", result)
     return result
@@ -382,6 +457,13 @@ def table(results: list[dict[str, Any]]) -> str:
                                      f"x{d['speedup_p50']:.2f} (n={d['candidate']['n']})")
         elif tri:
             lines.append(f"Triton: {tri['error'][:500]}")
+        can = res.get("canary")
+        if can and "error" not in can:
+            lat = can["client_latency"] or {}
+            lines.append(f"sidecar canary: {can['state']} after {can['wall_s']:.0f}s, client p50 {lat.get('p50_ms', 0):.3f} "
+                         f"p95 {lat.get('p95_ms', 0):.3f} ms (n={lat.get('n', 0)}), {can['client_errors']} client errors")
+        elif can:
+            lines.append(f"sidecar canary: {can['error'][:500]}")
     return "\n".join(lines) + "\n"
 
 
@@ -396,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--no-autotune", action="store_true")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--canary", action="store_true", help="after serving: the sidecar canary of version 2 under load")
     ap.add_argument("--autotune-parallel", action="store_true",
                     help="build autotuning routes alongside the others (faster; their GEMM timings share the GPU)")
     ap.add_argument("--min-speedup", type=float, default=1.05)
@@ -414,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         name, _, budget = item.partition(":")  # bert_base:300 = this model's own budget
         routes = [r.strip() for r in args.routes.split(",") if r.strip()] or None
         results.append(run_model(name, args.out, args.work, float(budget or args.budget_s), args.parallel, args.repeats, args.requests,
-                                 args.device, routes, args.min_speedup, args.autotune_parallel))
+                                 args.device, routes, args.min_speedup, args.autotune_parallel, args.canary))
         atomic_write_text(args.out / "results.txt", table(results))
     print(table(results))
     return 0
