@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -50,11 +51,12 @@ class TritonDistribution:
 
     @classmethod
     def locate(cls) -> TritonDistribution:
-        try:
-            import pytriton
-        except ImportError as exc:  # pragma: no cover - dependency of the package
-            raise TritonError("nvidia-pytriton is not installed: pip install nvidia-pytriton==0.7.0") from exc
-        root = Path(pytriton.__file__).resolve().parent
+        # find_spec, not import: pytriton's own client imports gevent and friends, which a host that only
+        # needs the server binary (the GPU run) may lack.
+        spec = importlib.util.find_spec("pytriton")
+        if spec is None or not spec.submodule_search_locations:
+            raise TritonError("nvidia-pytriton is not installed: pip install nvidia-pytriton==0.7.0")
+        root = Path(next(iter(spec.submodule_search_locations))).resolve()
         site_root = root.parent
         ver = f"{sys.version_info.major}.{sys.version_info.minor}"
         dist = cls(
