@@ -12,7 +12,7 @@ BUILDERS = {
     "inductor": "tuner.builders.inductor:InductorBuilder",
 }
 
-__all__ = ["Artifact", "BuildContext", "BuildError", "Builder", "BUILDERS", "get_builder"]
+__all__ = ["BUILDERS", "Artifact", "BuildContext", "BuildError", "Builder", "get_builder"]
 
 
 def get_builder(ref: str) -> Builder:
