@@ -170,7 +170,10 @@ class _Search:
 
 
 def _winners(results: list[RouteResult], min_speedup: float) -> list[RouteResult]:
-    ok = [r for r in results if r.status == "passed" and r.speedup is not None and r.speedup >= min_speedup]
+    # A route that only had halving's cheap round was eliminated there: noise in the full round must
+    # not let it overtake the survivors it lost to.
+    ok = [r for r in results if r.status == "passed" and r.stage != "cheap" and r.speedup is not None
+          and r.speedup >= min_speedup]  # fmt: skip
     return sorted(ok, key=lambda r: r.objective_ms or math.inf)
 
 
