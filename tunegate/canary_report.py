@@ -63,6 +63,18 @@ def _png(fig: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _finish(plt: Any, fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> str:
+    """Label, legend and grid an axis, then render the figure to base64 PNG and free it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    png = _png(fig)
+    plt.close(fig)
+    return png
+
+
 def _figures(summary: Mapping[str, Any], metrics_text: str) -> list[tuple[str, str]]:
     import matplotlib
 
@@ -82,13 +94,9 @@ def _figures(summary: Mapping[str, Any], metrics_text: str) -> list[tuple[str, s
             ax.step([le * 1000 for le, _ in rows], [n / total for _, n in rows], where="pre",
                     label=f"{role} ({int(total)} requests)", color=ROLE_COLORS.get(role))  # fmt: skip
         ax.set_xscale("log")
-        ax.set_xlabel("latency upper bound (ms, histogram buckets)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title("latency: baseline (primary, aa) vs candidate")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        figs.append(("Latency distributions", _png(fig)))
-        plt.close(fig)
+        figs.append(("Latency distributions", _finish(plt, fig, ax, "latency upper bound (ms, histogram buckets)",
+                                                      "fraction of requests",
+                                                      "latency: baseline (primary, aa) vs candidate")))  # fmt: skip
     timeline = summary.get("timeline") or []
     if timeline:
         ts, cand, aa = oot_series(timeline)
@@ -100,13 +108,8 @@ def _figures(summary: Mapping[str, Any], metrics_text: str) -> list[tuple[str, s
                 color=ROLE_COLORS["aa"], linestyle="--")  # fmt: skip
         if isinstance(budget, (int, float)):
             ax.axhline(budget, color="#d62828", linestyle=":", label=f"budget {budget:g} (above the noise floor)")
-        ax.set_xlabel("seconds since the load started")
-        ax.set_ylabel("rate")
-        ax.set_title("out-of-tolerance rate over time")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        figs.append(("Out-of-tolerance rate", _png(fig)))
-        plt.close(fig)
+        figs.append(("Out-of-tolerance rate", _finish(plt, fig, ax, "seconds since the load started", "rate",
+                                                      "out-of-tolerance rate over time")))  # fmt: skip
 
         fig, ax = plt.subplots(figsize=(7, 3.2))
         ax.plot(ts, [p.get("compared") or 0 for p in timeline], label="comparisons", color=ROLE_COLORS["primary"])
@@ -115,13 +118,8 @@ def _figures(summary: Mapping[str, Any], metrics_text: str) -> list[tuple[str, s
         if decided is not None:
             ax.axvline(float(decided["t"]), color="black", linestyle="--",
                        label=f"decision: {summary.get('decision')} at {decided['t']}s")  # fmt: skip
-        ax.set_xlabel("seconds since the load started")
-        ax.set_ylabel("count")
-        ax.set_title("decision timeline")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        figs.append(("Decision timeline", _png(fig)))
-        plt.close(fig)
+        figs.append(("Decision timeline", _finish(plt, fig, ax, "seconds since the load started", "count",
+                                                  "decision timeline")))  # fmt: skip
     return figs
 
 
