@@ -8,10 +8,9 @@ reference (ONNX Runtime, fp32, CPU) on the gate inputs, build every route in chi
 (tunegate.tolerance, the sidecar's comparison), benchmark it on the GPU, pick the fastest passing
 route, write the baseline route (fp32, mode default: the untuned compile) as version 1 and the
 winner as version 2, serve both from the pytriton Triton's python backend and drive each with
-requests. Results go to OUT/<model>.json and OUT/results.txt after every model.
-
-The sidecar's proxy had not landed when this was written, so the canary is measured through
-Triton directly (paired blocks baseline/candidate), not through the sidecar.
+requests (paired blocks baseline/candidate, Triton directly). With --canary, the sidecar then runs the
+canary of version 2 in front of the same Triton under load and decides. Results go to OUT/<model>.json and
+OUT/results.txt after every model.
 """
 
 from __future__ import annotations
@@ -256,7 +255,7 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
     write_config(repo, config)
     outputs = [n for n, _ in io.outputs]
     locate_triton()
-    result: dict[str, Any] = {"through": "Triton directly (the sidecar proxy had not landed)", "versions": {"1": base.route, "2": winner.route}}
+    result: dict[str, Any] = {"through": "Triton directly, versions addressed explicitly", "versions": {"1": base.route, "2": winner.route}}
     t0 = time.perf_counter()
     with EmbeddedTriton(TritonOptions(repository=repo, models=(name,), startup_timeout_s=300)) as server:
         result["load_s"] = time.perf_counter() - t0

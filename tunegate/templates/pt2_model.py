@@ -37,13 +37,20 @@ class Pt2Runner:
         self.graphs = {}
 
     def __call__(self, feeds):
+        """numpy in, numpy out: the tuner's gate and benchmark."""
+        torch = self.torch
+        outs = self.run_tensors({n: torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in self.input_names})
+        return {n: o.numpy() for n, o in outs.items()}
+
+    def run_tensors(self, feeds):
+        """CPU torch tensors in, CPU torch tensors out: what Triton's execute() passes through DLPack."""
         torch = self.torch
         with torch.inference_mode():
-            args = [torch.from_numpy(np.ascontiguousarray(feeds[n])).to(self.device) for n in self.input_names]
+            args = [feeds[n].to(self.device) for n in self.input_names]
             outs = self._replay(args) if self.use_graphs else self.model(*args)
             if isinstance(outs, torch.Tensor):
                 outs = [outs]
-            return {n: o.detach().cpu().numpy() for n, o in zip(self.output_names, outs)}
+            return {n: o.detach().cpu().contiguous() for n, o in zip(self.output_names, outs)}
 
     def _replay(self, args):
         torch = self.torch
@@ -86,6 +93,12 @@ class TritonPythonModel:
         self.config_outputs = [o["name"] for o in config["output"]]
 
     def execute(self, requests):
+        # Tensors cross the stub through DLPack, never as numpy: the stub's pybind11 (Triton 2.51) predates
+        # numpy 2 and misreads numpy 2 arrays. On the H200 image (numpy 2.5) every output went out with
+        # binary_data_size 0 until this path avoided numpy.
+        from torch.utils.dlpack import to_dlpack
+
+        torch = self.runner.torch
         responses = []
         for request in requests:
             try:
@@ -94,9 +107,9 @@ class TritonPythonModel:
                     t = pb_utils.get_input_tensor_by_name(request, name)
                     if t is None:
                         raise pb_utils.TritonModelException(f"missing input {name!r}")
-                    feeds[name] = t.as_numpy()
-                outs = self.runner(feeds)
-                tensors = [pb_utils.Tensor(n, np.ascontiguousarray(outs[n])) for n in self.config_outputs]
+                    feeds[name] = torch.from_dlpack(t.to_dlpack())
+                outs = self.runner.run_tensors(feeds)
+                tensors = [pb_utils.Tensor.from_dlpack(n, to_dlpack(outs[n])) for n in self.config_outputs]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
             except Exception as exc:  # noqa: BLE001 - one bad request must not take the batch down
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
