@@ -112,15 +112,22 @@ class CanaryManager:
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._random = random.Random()  # sampling only; decisions never depend on it
         self._dirty = False
-        self._switching: set[str] = set()
+        # Client requests now at Triton, per (model, version the sidecar routed them to): a promotion
+        # unloads the baseline only once none of its requests are left.
+        self.in_flight: collections.Counter[tuple[str, str]] = collections.Counter()
 
     # -- client path hooks (must stay cheap: they run per request on the event loop) ----------
     def live_version(self, model: str) -> int | None:
-        if model in self._switching:
-            # Triton is swapping versions: either one may be unloading, so let it pick a loaded one.
-            return None
         ms = self.store.models().get(model)
         return None if ms is None else ms.get("live")
+
+    async def _drain_routed(self, model: str, version: int, timeout_s: float) -> int:
+        """Wait until no client request routed to `version` is in flight; returns how many were left at the timeout."""
+        key = (model, str(version))
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight[key] > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.in_flight[key]
 
     def sample(self, rate: float) -> bool:
         return rate >= 1.0 or self._random.random() < rate
@@ -339,16 +346,23 @@ class CanaryManager:
             rec = existing
         live = canary.baseline
         if rec["outcome"] == PROMOTE:
-            self._switching.add(model)
             try:
-                await self.control.promote(model, canary.candidate, canary.baseline)
-                live = canary.candidate
+                await self.control.stage_promotion(model, canary.candidate, canary.baseline)
             except (PromotionError, ControlError) as exc:
                 rec["outcome"] = PIN
                 rec["reasons"] = [*rec["reasons"], f"promotion failed, the baseline keeps serving: {exc}"]
-            finally:
-                self.store.model(model)["live"] = live
-                self._switching.discard(model)
+            else:
+                live = canary.candidate
+                self.store.model(model)["live"] = live  # from here every unversioned request goes to C
+                left = await self._drain_routed(model, canary.baseline, self.config.upstream_timeout_s)
+                if left:
+                    LOG.warning("%d requests to %s v%d still in flight after %gs; unloading it anyway",
+                                left, model, canary.baseline, self.config.upstream_timeout_s)  # fmt: skip
+                try:
+                    await self.control.finish_promotion(model, canary.candidate)
+                except ControlError as exc:  # C serves; B stays loaded beside it until the next reload
+                    LOG.error("promoted %s v%d, but unloading v%d failed: %s", model, live, canary.baseline, exc)
+                    rec["reasons"] = [*rec["reasons"], f"the baseline could not be unloaded: {exc}"]
         try:
             await self.control.stop_shadow(model)
         except ControlError as exc:

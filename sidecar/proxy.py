@@ -73,7 +73,12 @@ async def infer(request: web.Request) -> web.StreamResponse:
         live = manager.live_version(model)
         routed = None if live is None else str(live)
     path = f"/v2/models/{model}" + (f"/versions/{routed}" if routed else "") + "/infer"
-    got = await _forward(request, path, body)
+    key = (model, routed or "")
+    manager.in_flight[key] += 1  # a promotion waits for these before it unloads the version
+    try:
+        got = await _forward(request, path, body)
+    finally:
+        manager.in_flight[key] -= 1
     if isinstance(got, web.Response):
         metrics.observe_request(model, routed or "", "primary", got.status, None)
         return got

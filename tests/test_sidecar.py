@@ -39,14 +39,16 @@ MODELS = {
     "nans": {2: {"nan": True}},
     "promofail": {2: {}},
     "plain": {2: {}},
+    "bigswap": {2: {"load_s": 2.0}},  # a big engine: slow to load, and its baseline slow to unload
 }
+BASELINES = {"bigswap": {"delay_ms": 5, "unload_s": 2.0}}
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("sidecar-repo")
     for name, cands in MODELS.items():
-        add_model(repo, name, cands, release=name != "wrong")
+        add_model(repo, name, cands, release=name != "wrong", baseline=BASELINES.get(name))
     return repo
 
 
@@ -93,7 +95,7 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def drive(client: aiohttp.ClientSession, url: str, model: str, *, until_decided: bool = True,
-                requests: int = 50000, concurrency: int = 4, timeout_s: float = 90) -> dict[str, Any]:  # fmt: skip
+                requests: int = 50000, concurrency: int = 4, timeout_s: float = 90, rows: int = 2) -> dict[str, Any]:  # fmt: skip
     """Send infer requests until the canary decides (or `requests` are sent); record what the client saw."""
     rng = np.random.default_rng(0)
     codes: list[int] = []
@@ -104,14 +106,15 @@ async def drive(client: aiohttp.ClientSession, url: str, model: str, *, until_de
 
     async def worker() -> None:
         while not stop.is_set() and len(codes) < requests and time.monotonic() < deadline:
-            body, headers = infer_body(rng)
+            body, headers = infer_body(rng, binary=rows > 2, rows=rows)
             t0 = time.perf_counter()
             async with client.post(f"{url}/v2/models/{model}/infer", data=body, headers=headers) as r:
                 raw = await r.read()
             latencies.append(time.perf_counter() - t0)
             codes.append(r.status)
             if r.status == 200:
-                versions.add(json.loads(raw)["model_version"])
+                hl = r.headers.get(codec.HEADER)
+                versions.add(json.loads(raw[: int(hl)] if hl else raw)["model_version"])
 
     async def watcher() -> None:
         while not stop.is_set() and time.monotonic() < deadline:
@@ -172,6 +175,21 @@ async def test_good_candidate_is_promoted(sidecar: Sidecar, client: aiohttp.Clie
     # The sidecar now routes unversioned requests to the promoted version.
     seen = await drive(client, sidecar.url, "good", until_decided=False, requests=5, concurrency=1)
     assert seen["versions"] == {"2"}
+
+
+async def test_promotion_under_load_loses_no_client_request(sidecar: Sidecar, client: aiohttp.ClientSession) -> None:
+    """The version swap happens under traffic: a slow-loading candidate, a slow-unloading baseline, 8 clients."""
+    code, st = await start_canary(client, sidecar, "bigswap")
+    assert code == 201, st
+    # Big bodies (0.5 MB): Triton takes long enough between resolving an unversioned request's version and
+    # running it that a version unloading in between fails the request (seen on the H200 with ResNet-50).
+    seen = await drive(client, sidecar.url, "bigswap", concurrency=8, rows=1 << 15)
+    after = await drive(client, sidecar.url, "bigswap", until_decided=False, concurrency=8, timeout_s=4, rows=1 << 15)
+    [rec] = decisions(sidecar)
+    assert rec["outcome"] == "promote", rec["reasons"]
+    codes = seen["codes"] + after["codes"]
+    assert len(after["codes"]) > 10 and set(codes) == {200}, {c: codes.count(c) for c in set(codes)}
+    assert after["versions"] == {"2"}
 
 
 async def test_wrong_candidate_is_pinned_with_exemplars(sidecar: Sidecar, client: aiohttp.ClientSession,

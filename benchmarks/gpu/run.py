@@ -236,11 +236,8 @@ def locate_triton() -> None:
     tg_triton.TritonDistribution.locate = classmethod(lambda cls: dist)  # type: ignore[method-assign]
 
 
-def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: InductorBuilder, inputs: InputSet,
-          tolerance: ToleranceSpec, requests: int, concurrency: int) -> dict[str, Any]:
-    """Write versions 1 (baseline) and 2 (winner), serve both from Triton, check outputs, drive paired load."""
-    from tunegate.triton import EmbeddedTriton, TritonOptions
-
+def write_versions(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: InductorBuilder) -> None:
+    """Version 1 = the baseline route, 2 = the winner, each with its release record; the config serves both."""
     io = INTERFACES[name]
     for version, run in ((1, base), (2, winner)):
         art = Artifact.load(Path(str(run.artifact)))
@@ -253,6 +250,15 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
         form="python-onnx", versions=(1, 2),
     )
     write_config(repo, config)
+
+
+def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: InductorBuilder, inputs: InputSet,
+          tolerance: ToleranceSpec, requests: int, concurrency: int) -> dict[str, Any]:
+    """Write versions 1 (baseline) and 2 (winner), serve both from Triton, check outputs, drive paired load."""
+    from tunegate.triton import EmbeddedTriton, TritonOptions
+
+    io = INTERFACES[name]
+    write_versions(name, repo, base, winner, builder)
     outputs = [n for n, _ in io.outputs]
     locate_triton()
     result: dict[str, Any] = {"through": "Triton directly, versions addressed explicitly", "versions": {"1": base.route, "2": winner.route}}
@@ -307,7 +313,7 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
 
 
 def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, concurrency: int, work: Path,
-           min_samples: int = 200, deadline_s: float = 120.0) -> dict[str, Any]:
+           out: Path, min_samples: int = 200, deadline_s: float = 120.0) -> dict[str, Any]:
     """The sidecar canary under load: Triton serves version 1, the sidecar mirrors to 2 and decides.
 
     Needs tritonclient's utils (tunegate.codec imports them); the device image has no tritonclient.
@@ -331,7 +337,7 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
     lock = threading.Lock()
     with EmbeddedTriton(TritonOptions(repository=repo, models=(name,), startup_timeout_s=300)) as server, \
             SidecarProcess(upstream=server.http_url, state_dir=work / "sidecar", repository=repo,
-                           token_file=token_file) as sidecar:
+                           token_file=token_file, log_path=out / f"{name}-sidecar.log") as sidecar:
         admin = AdminClient(sidecar.url, token)
         admin.start(name, 2, tolerance=tolerance.to_dict(), min_samples=min_samples, deadline_s=deadline_s,
                     sample_rate=1.0)
@@ -344,8 +350,8 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
                     try:
                         c.infer(name, None, shape.feeds, outputs)
                     except Exception as exc:  # noqa: BLE001 - counted, and the load goes on
-                        with lock:
-                            errors.append(str(exc)[:200])
+                        with lock:  # when, from the start of the load: set beside the decision's time
+                            errors.append(f"t+{time.perf_counter() - t0:.2f}s {str(exc)[:200]}")
                         c.close()
                         c = Client(sidecar.port)
                         continue
@@ -354,7 +360,7 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
             finally:
                 c.close()
 
-        t0 = time.perf_counter()
+        t0, t0_wall = time.perf_counter(), time.time()
         threads = [threading.Thread(target=load, daemon=True) for _ in range(concurrency)]
         for t in threads:
             t.start()
@@ -369,14 +375,14 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
         "through": "tunegate sidecar (KServe v2 proxy) in front of the embedded Triton",
         "shape": shape.key, "concurrency": concurrency, "wall_s": time.perf_counter() - t0,
         "client_latency": stats(client_times, bootstrap=1000, rows=shape.batch) if client_times else None,
-        "client_errors": len(errors), "first_errors": errors[:3],
+        "client_errors": len(errors), "first_errors": errors[:3], "load_started_at": t0_wall,
         "state": status.get("state"), "status": status, "decisions": decisions,
     }
 
 
 def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, repeats: int, requests: int,
               device: str = "cuda", routes: list[str] | None = None, min_speedup: float = 1.05,
-              autotune_parallel: bool = False, do_canary: bool = False) -> dict[str, Any]:
+              autotune_parallel: bool = False, do_canary: bool = False, do_serve: bool = True) -> dict[str, Any]:
     t_model = time.monotonic()
     builder = InductorBuilder()
     model_work = work / name
@@ -416,14 +422,18 @@ def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, 
     }
     atomic_write_json(out / f"{name}.json", result)
     if winner is not None and base.status == "passed":
-        try:
-            result["triton"] = serve(name, model_work / "repo", base, winner, builder, inputs, tolerance, requests, concurrency=4)
-        except Exception as exc:
-            LOG.exception("serving failed")
-            result["triton"] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
+        if do_serve:
+            try:
+                result["triton"] = serve(name, model_work / "repo", base, winner, builder, inputs, tolerance, requests,
+                                         concurrency=4)  # fmt: skip
+            except Exception as exc:
+                LOG.exception("serving failed")
+                result["triton"] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
+        else:
+            write_versions(name, model_work / "repo", base, winner, builder)
         if do_canary:
             try:
-                result["canary"] = canary(name, model_work / "repo", inputs, tolerance, 4, model_work)
+                result["canary"] = canary(name, model_work / "repo", inputs, tolerance, 4, model_work, out)
             except Exception as exc:
                 LOG.exception("the canary failed")
                 result["canary"] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
@@ -461,6 +471,10 @@ def table(results: list[dict[str, Any]]) -> str:
             lat = can["client_latency"] or {}
             lines.append(f"sidecar canary: {can['state']} after {can['wall_s']:.0f}s, client p50 {lat.get('p50_ms', 0):.3f} "
                          f"p95 {lat.get('p95_ms', 0):.3f} ms (n={lat.get('n', 0)}), {can['client_errors']} client errors")
+            decided = ((can.get("status") or {}).get("last") or {}).get("at")
+            if decided and can.get("load_started_at"):
+                lines.append(f"  decided at t+{decided - can['load_started_at']:.2f}s of the load")
+            lines.extend(f"  client error: {e}" for e in can.get("first_errors") or [])
         elif can:
             lines.append(f"sidecar canary: {can['error'][:500]}")
     return "\n".join(lines) + "\n"
@@ -478,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-autotune", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--canary", action="store_true", help="after serving: the sidecar canary of version 2 under load")
+    ap.add_argument("--no-serve", action="store_true", help="skip the paired Triton measurement (versions are still written)")
     ap.add_argument("--autotune-parallel", action="store_true",
                     help="build autotuning routes alongside the others (faster; their GEMM timings share the GPU)")
     ap.add_argument("--min-speedup", type=float, default=1.05)
@@ -496,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         name, _, budget = item.partition(":")  # bert_base:300 = this model's own budget
         routes = [r.strip() for r in args.routes.split(",") if r.strip()] or None
         results.append(run_model(name, args.out, args.work, float(budget or args.budget_s), args.parallel, args.repeats, args.requests,
-                                 args.device, routes, args.min_speedup, args.autotune_parallel, args.canary))
+                                 args.device, routes, args.min_speedup, args.autotune_parallel, args.canary,
+                                 not args.no_serve))
         atomic_write_text(args.out / "results.txt", table(results))
     print(table(results))
     return 0

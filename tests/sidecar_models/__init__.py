@@ -26,9 +26,10 @@ def config(name: str) -> ModelConfig:
 
 
 def add_model(repo: Path, name: str, candidates: Mapping[int, dict[str, Any] | None],
-              release: bool = True) -> None:  # fmt: skip
-    """v1 is the exact baseline; each candidate version gets its behaviour (None: no behaviour.json)."""
-    write_version(repo, name, {"model.py": MODEL_PY.read_text(), "behaviour.json": "{}"}, version=1)
+              release: bool = True, baseline: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+    """v1 is the exact baseline (`baseline`: its behaviour); each candidate version gets its behaviour (None: no behaviour.json)."""
+    write_version(repo, name, {"model.py": MODEL_PY.read_text(), "behaviour.json": json.dumps(dict(baseline or {}))},
+                  version=1)
     for v, behaviour in candidates.items():
         files: dict[str, Path | bytes | str] = {"model.py": MODEL_PY.read_text()}
         if behaviour is not None:
@@ -37,8 +38,8 @@ def add_model(repo: Path, name: str, candidates: Mapping[int, dict[str, Any] | N
     write_config(repo, config(name))
 
 
-def infer_body(rng: np.random.Generator, binary: bool = False) -> tuple[bytes, dict[str, str]]:
-    x = rng.standard_normal((2, 4)).astype(np.float32)
+def infer_body(rng: np.random.Generator, binary: bool = False, rows: int = 2) -> tuple[bytes, dict[str, str]]:
+    x = rng.standard_normal((rows, 4)).astype(np.float32)
     body, hl = codec.encode_request({"x": x}, binary=binary, binary_outputs=binary)
-    headers = {"Content-Type": "application/json"} if hl is None else {codec.HEADER: str(hl)}
+    headers = {"Content-Type": "application/json"} if hl is None else {codec.HEADER: str(hl), "Content-Type": "application/octet-stream"}
     return body, headers

@@ -1,6 +1,7 @@
 """Test model for the sidecar (python backend, numpy only): y = 2x, with a behaviour from behaviour.json.
 
-behaviour.json beside this file: {"noise": 0.0, "scale": 2.0, "delay_ms": 0, "fail": false, "nan": false}.
+behaviour.json beside this file: {"noise": 0.0, "scale": 2.0, "delay_ms": 0, "fail": false, "nan": false,
+"load_s": 0, "unload_s": 0} (the last two: seconds that initialize() and finalize() take, as a big engine's would).
 A version without behaviour.json fails to load (used to make a promotion fail).
 """
 
@@ -23,6 +24,11 @@ class TritonPythonModel:
         self.fail = bool(b.get("fail", False))
         self.nan = bool(b.get("nan", False))
         self.rng = np.random.default_rng(0)
+        self.unload_s = float(b.get("unload_s", 0))
+        time.sleep(float(b.get("load_s", 0)))
+
+    def finalize(self):
+        time.sleep(self.unload_s)
 
     def execute(self, requests):
         responses = []
