@@ -204,8 +204,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tol = {"y": {"metric": "linf", "threshold": 1e-6}}
             admin.start("ident", 2, tol, max_in_flight=64, **never)
             measure("sidecar+mirror", sc.url)
-            st = admin.status("ident")["canary"]["evidence"]
-            admin.pin("ident")
+            status = admin.status("ident")
+            if status["canary"] is not None:
+                st = status["canary"]["evidence"]
+                admin.pin("ident")
+            else:  # the judge decided during the run (say, fail-fast on latency): keep its record's evidence
+                rec = admin.decisions("ident")[-1]
+                st = {**rec["evidence"], "decided": rec["outcome"], "reasons": rec["reasons"]}
+                console.print(f"[yellow]the judge decided during sidecar+mirror: {rec['outcome']}: {rec['reasons']}")
             admin.start("ident", 3, tol, **never)
             measure("sidecar+slow", sc.url)
             # The judge fails a 100 ms slower candidate fast on latency: it may be pinned already.

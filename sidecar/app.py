@@ -1,7 +1,9 @@
-"""The sidecar's aiohttp application: client path, admin API, /metrics, and the resources behind them.
+"""The sidecar's aiohttp application (admin API, /metrics, /healthz) and the resources behind the client path.
 
-Every long-lived resource lives in `cleanup_ctx`: the upstream session, the canary manager (which
-resumes state on start), the judge ticker and the capture writer are created, yielded and closed.
+Every long-lived resource lives in `cleanup_ctx`: the upstream pool and control session, the canary
+manager (which resumes state on start), the judge ticker and the capture writer are created, yielded
+and closed. Clients connect to the HTTP/1.1 front (sidecar/proxy.py), which serves the client path
+itself and hands every other request to this application over a private unix socket: `start()`.
 """
 
 from __future__ import annotations
@@ -11,8 +13,12 @@ import contextlib
 import hmac
 import json
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import urlparse
 
 import aiohttp
 from aiohttp import web
@@ -23,8 +29,9 @@ from sidecar.canary import CanaryError, CanaryManager
 from sidecar.config import SidecarConfig
 from sidecar.judge import PIN, PROMOTE
 from sidecar.metrics import SidecarMetrics
-from sidecar.proxy import CAPTURE, CONFIG, MANAGER, METRICS, SESSION, add_routes
+from sidecar.proxy import CAPTURE, CONFIG, MANAGER, METRICS, UPSTREAM, Front
 from sidecar.state import StateStore
+from sidecar.upstream import UpstreamPool
 from tunegate.capture import CaptureWriter
 
 LOG = logging.getLogger(__name__)
@@ -108,9 +115,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         timeout=aiohttp.ClientTimeout(total=cfg.upstream_timeout_s),
         skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
     )
-    app[SESSION] = session
+    host, port = _host_port(cfg.upstream_base)
+    pool = UpstreamPool(host, port, limit=cfg.upstream_connections, timeout_s=cfg.upstream_timeout_s)
+    app[UPSTREAM] = pool
     store = StateStore(cfg.state_dir)
-    manager = CanaryManager(cfg, store, session, app[METRICS])
+    manager = CanaryManager(cfg, store, session, app[METRICS], pool)
     app[MANAGER] = manager
     if cfg.capture_dir is not None and cfg.capture_rate > 0:
         app[CAPTURE] = CaptureWriter(
@@ -122,6 +131,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await manager.close()
+        pool.close()
         await session.close()
         capture = app.get(CAPTURE)
         if capture is not None:
@@ -150,7 +160,6 @@ def build_app(config: SidecarConfig, registry: CollectorRegistry | None = None) 
     app[METRICS] = SidecarMetrics(registry if registry is not None else CollectorRegistry())
     app.cleanup_ctx.append(_resources)
     app.cleanup_ctx.append(_ticker)
-    add_routes(app)
     app.router.add_get("/canary", canary_list)
     app.router.add_get("/canary/{model}", canary_get)
     app.router.add_post("/canary/{model}", canary_start)
@@ -163,17 +172,56 @@ def build_app(config: SidecarConfig, registry: CollectorRegistry | None = None) 
     return app
 
 
+def _host_port(base: str) -> tuple[str, int]:
+    parsed = urlparse(base)
+    if parsed.scheme != "http" or not parsed.hostname:
+        raise ValueError(f"the upstream must be an http:// URL, got {base!r}")
+    return parsed.hostname, parsed.port or 80
+
+
+class RunningSidecar:
+    """The front listening on `port`, the admin application behind it; `close()` stops both."""
+
+    def __init__(self, app: web.Application, runner: web.AppRunner, server: asyncio.Server, front: Front,
+                 admin: UpstreamPool, sockdir: str) -> None:  # fmt: skip
+        self.app, self.runner, self.server, self.front, self.admin, self.sockdir = app, runner, server, front, admin, sockdir
+        self.port: int = server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        self.server.close()
+        self.front.close_connections()
+        await self.server.wait_closed()
+        self.admin.close()
+        await self.runner.cleanup()
+        shutil.rmtree(self.sockdir, ignore_errors=True)
+
+
+async def start(config: SidecarConfig, registry: CollectorRegistry | None = None) -> RunningSidecar:
+    """Set the application up (resume state), serve it on a private unix socket, and listen with the front."""
+    app = build_app(config, registry)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    sockdir = tempfile.mkdtemp(prefix="tunegate-sidecar-")
+    try:
+        sock = os.path.join(sockdir, "admin.sock")
+        await web.UnixSite(runner, sock).start()
+        admin = UpstreamPool("localhost", 0, limit=64, timeout_s=config.upstream_timeout_s, unix_path=sock)
+        front = Front(app, admin)
+        server = await asyncio.get_running_loop().create_server(
+            front.protocol(), config.listen_host, config.listen_port, backlog=1024, reuse_address=True)  # fmt: skip
+    except BaseException:
+        await runner.cleanup()
+        shutil.rmtree(sockdir, ignore_errors=True)
+        raise
+    return RunningSidecar(app, runner, server, front, admin, sockdir)
+
+
 async def serve(config: SidecarConfig, ready: Callable[[int], Any] | None = None) -> None:
     """Run until cancelled; `ready(port)` is called once listening (port 0 picks a free one)."""
-    runner = web.AppRunner(build_app(config), access_log=None)
-    await runner.setup()
+    running = await start(config)
     try:
-        site = web.TCPSite(runner, config.listen_host, config.listen_port, backlog=1024)
-        await site.start()
-        sockets = getattr(site._server, "sockets", None) or []
-        port = sockets[0].getsockname()[1] if sockets else config.listen_port
         if ready is not None:
-            ready(port)
+            ready(running.port)
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        await running.close()

@@ -10,20 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import io
 import zlib
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from tunegate import codec
 from tunegate.tolerance import ToleranceSpec, compare
-
-LARGE_BODY = 1 << 20  # aiohttp copies raw bytes above this on the loop and warns
-
-
-def payload(body: bytes | None) -> bytes | io.BytesIO | None:
-    """A request body for aiohttp: large ones as a stream, sent without blocking the loop."""
-    return io.BytesIO(body) if body is not None and len(body) >= LARGE_BODY else body
 
 
 class BoundedTasks:

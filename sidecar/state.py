@@ -58,9 +58,10 @@ class EvidenceCounter:
         return Evidence(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["primary_s"] = [round(x, 7) for x in self.primary_s]
-        d["candidate_s"] = [round(x, 7) for x in self.candidate_s]
+        """Fresh lists (C-speed copies): called on the event loop every judge tick, serialised in a thread."""
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["primary_s"], d["candidate_s"] = list(self.primary_s), list(self.candidate_s)
+        d["exemplars"] = list(self.exemplars)
         return d
 
     @classmethod
@@ -108,9 +109,14 @@ class StateStore:
             atomic_write_json(self.path, snapshot)
 
     def snapshot(self) -> dict[str, Any]:
-        # A deep copy through JSON: the saving thread must not see the loop mutating lists.
-        copy: dict[str, Any] = json.loads(json.dumps(self.data))
-        return copy
+        """A copy the saving thread can serialise while the loop goes on (taken on the loop, cheaply).
+
+        Two levels are copied; deeper values (a canary's dict, its evidence lists) are replaced whole by
+        the loop, never mutated in place, once put here. A JSON round trip here cost ~10 ms per judge tick on
+        the event loop with 4000 latency pairs: the client path's p99 showed it.
+        """
+        models = {m: {k: dict(v) if isinstance(v, dict) else v for k, v in ms.items()} for m, ms in self.models().items()}
+        return {**self.data, "models": models}
 
     def decision_for(self, canary_id: str) -> dict[str, Any] | None:
         for rec in self.decisions.read():

@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from sidecar.app import build_app
+from sidecar.app import RunningSidecar, start
 from sidecar.config import CanaryParams, SidecarConfig
 from sidecar.control import shadow_name
 from tests.sidecar_models import FAST_PARAMS, TOKEN, add_model, infer_body
@@ -68,24 +68,20 @@ class Sidecar:
         return self.registry.get_sample_value(name, labels) or 0.0
 
 
-async def start_sidecar(triton: EmbeddedTriton, repo: Path, state_dir: Path, **kw: Any) -> tuple[web.AppRunner, Sidecar]:
+async def start_sidecar(triton: EmbeddedTriton, repo: Path, state_dir: Path, **kw: Any) -> tuple[RunningSidecar, Sidecar]:
+    """The production server (front + admin app, sidecar.app.start) in this test's event loop."""
     registry = CollectorRegistry()
     cfg = SidecarConfig(upstream=triton.http_url, state_dir=state_dir, repository=repo, listen_port=0,
                         admin_token=TOKEN, judge_interval_s=0.2, canary=CanaryParams(), **kw)  # fmt: skip
-    app = build_app(cfg, registry)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, Sidecar(f"http://127.0.0.1:{port}", app, registry, state_dir)
+    running = await start(cfg, registry)
+    return running, Sidecar(f"http://127.0.0.1:{running.port}", running.app, registry, state_dir)
 
 
 @pytest.fixture
 async def sidecar(triton: EmbeddedTriton, repo: Path, tmp_path: Path) -> AsyncIterator[Sidecar]:
-    runner, sc = await start_sidecar(triton, repo, tmp_path / "state", max_body_bytes=1 << 20)
+    running, sc = await start_sidecar(triton, repo, tmp_path / "state", max_body_bytes=1 << 20)
     yield sc
-    await runner.cleanup()
+    await running.close()
 
 
 @pytest.fixture
@@ -335,7 +331,7 @@ async def test_stock_tritonclient_aio_works_through_the_sidecar(sidecar: Sidecar
 
 async def test_capture_and_metrics(triton: EmbeddedTriton, repo: Path, tmp_path: Path,
                                    client: aiohttp.ClientSession) -> None:  # fmt: skip
-    runner, sc = await start_sidecar(triton, repo, tmp_path / "s", capture_dir=tmp_path / "cap", capture_rate=1.0)
+    running, sc = await start_sidecar(triton, repo, tmp_path / "s", capture_dir=tmp_path / "cap", capture_rate=1.0)
     try:
         body, headers = infer_body(np.random.default_rng(3), binary=True)
         for _ in range(3):
@@ -346,7 +342,7 @@ async def test_capture_and_metrics(triton: EmbeddedTriton, repo: Path, tmp_path:
         assert 'tunegate_requests_total{code="200",model="plain",role="primary",version="1"} 3.0' in text
         assert "tunegate_request_duration_seconds_bucket" in text
     finally:
-        await runner.cleanup()
+        await running.close()
     recs = load_capture(tmp_path / "cap")
     assert len(recs) == 3 and recs[0].body == body and recs[0].version == "1"
     assert recs[0].decode().arrays()["x"].shape == (2, 4)
@@ -359,3 +355,52 @@ def sidecar_process_url(triton: EmbeddedTriton, repo: Path, tmp_path: Path) -> I
 
     with SidecarProcess(upstream=triton.http_url, state_dir=tmp_path / "st", repository=repo) as sc:
         yield sc.url
+
+
+async def _raw(url: str, data: bytes, read_until_close: bool = True, timeout_s: float = 10) -> bytes:
+    """Send raw bytes to the sidecar; read what comes back until it closes (or the timeout)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    await writer.drain()
+    out = b""
+    try:
+        while True:
+            chunk = await asyncio.wait_for(reader.read(65536), timeout_s)
+            if not chunk:
+                break
+            out += chunk
+            if not read_until_close:
+                break
+    except TimeoutError:
+        pass
+    writer.close()
+    return out
+
+
+async def test_http_framing_pipelining_continue_and_malformed_input(sidecar: Sidecar) -> None:
+    """The protocol-level front: pipelined requests answered in order, 100-continue, garbage gets a 400 and a close."""
+    body, _ = infer_body(np.random.default_rng(5))
+    req = (b"POST /v2/models/plain/versions/1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    last = b"GET /v2/models/plain HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    out = await _raw(sidecar.url, req * 3 + last)
+    assert out.count(b"HTTP/1.1 200 OK") == 4, out[:500]
+    assert out.rindex(b'"model_version":"1"') < out.index(b'"name":"plain"', out.rindex(b"HTTP/1.1 200")), "order kept"
+    # Expect: 100-continue (curl sends it for bodies over 1 KiB): the interim answer, then the real one.
+    cont = req.replace(b"Host: x\r\n", b"Host: x\r\nExpect: 100-continue\r\nConnection: close\r\n")
+    out = await _raw(sidecar.url, cont)
+    assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK"), out[:200]
+    # Not HTTP at all, and a chunked body over the limit: a clear 4xx and the connection closed.
+    out = await _raw(sidecar.url, b"\x16\x03\x01 hello\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 400") and b"malformed HTTP request" in out, out
+    chunk = b"x" * 65536
+    big = b"POST /v2/models/plain/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    big += (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * 20
+    out = await _raw(sidecar.url, big)
+    assert out.startswith(b"HTTP/1.1 413") and b"over the limit" in out, out[:200]
+    # HEAD passes through with the headers and no body; the process still answers.
+    out = await _raw(sidecar.url, b"HEAD /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 200") and out.endswith(b"\r\n\r\n"), out
+    seen = await _raw(sidecar.url, req.replace(b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n"))
+    assert seen.startswith(b"HTTP/1.1 200 OK")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -86,21 +87,17 @@ async def test_bounded_tasks_drop_when_full_and_drain() -> None:
 
 async def test_unreachable_upstream_is_a_clear_502(tmp_path: Path) -> None:
     import aiohttp
-    from aiohttp import web
     from prometheus_client import CollectorRegistry
 
-    from sidecar.app import build_app
+    from sidecar.app import start
     from sidecar.config import SidecarConfig
     from tunegate.triton import free_port
 
     cfg = SidecarConfig(upstream=f"http://127.0.0.1:{free_port()}", state_dir=tmp_path / "st", repository=tmp_path,
                         admin_token="0123456789abcdef-token")  # fmt: skip
     registry = CollectorRegistry()
-    runner = web.AppRunner(build_app(cfg, registry))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    running = await start(dataclasses.replace(cfg, listen_port=0), registry)
+    url = f"http://127.0.0.1:{running.port}"
     try:
         async with aiohttp.ClientSession() as s:
             async with s.post(f"{url}/v2/models/m/infer", data=b"{}") as r:
@@ -110,6 +107,6 @@ async def test_unreachable_upstream_is_a_clear_502(tmp_path: Path) -> None:
             async with s.get(f"{url}/healthz") as r:
                 assert r.status == 200  # the sidecar itself stays up
     finally:
-        await runner.cleanup()
+        await running.close()
     assert registry.get_sample_value("tunegate_requests_total", {"model": "m", "version": "", "role": "primary",
                                                                  "code": "502"}) == 1  # fmt: skip
