@@ -201,6 +201,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
                 admin.start(MODEL, 2, TOLERANCE, min_samples=100000, deadline_s=600, aa_rate=0.5)
                 compared = f'sum(tunegate_comparisons_total{{model="{MODEL}", role="candidate"}})'
                 wait_for("candidate comparisons in Prometheus", lambda: run.value(compared) >= 100, 90)
+                # The latency panel's rate needs candidate requests over two scrapes: since the fast client
+                # path, 100 comparisons can land within one (a CI run saw no candidate series).
+                cand_p50 = ('histogram_quantile(0.5, sum by (le) (rate(tunegate_request_duration_seconds_bucket'
+                            f'{{model="{MODEL}", version="2", role="candidate"}}[5s])))')  # fmt: skip
+                wait_for("candidate latency in Prometheus", lambda: math.isfinite(run.value(cand_p50)), 60)
                 run.alerts_before_bad = alerts(prom)
                 admin.promote(MODEL)
                 live_version = f'tunegate_live_version{{model="{MODEL}"}}'
