@@ -16,13 +16,14 @@ import logging
 import random
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
 
 from sidecar.config import CanaryParams, ConfigError, SidecarConfig
-from sidecar.control import ControlError, PromotionError, TritonControl, shadow_name
+from sidecar.control import SHADOW_SUFFIX, ControlError, PromotionError, TritonControl, shadow_name
 from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, judge
 from sidecar.metrics import SidecarMetrics
 from sidecar.mirror import BoundedTasks, Comparison, Response, compare_responses
@@ -399,7 +400,16 @@ class CanaryManager:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def resume(self) -> None:
-        """After a restart: republish state, finish pending decisions, reload shadows Triton lost."""
+        """After a restart: republish state, finish pending decisions, reload shadows Triton lost.
+
+        Models the sidecar holds no state for publish the live version their config's policy names, so
+        dashboards show what serves from the first scrape, not only after a first canary.
+        """
+        known = set(self.store.models())
+        for model, version in await asyncio.to_thread(self._configured_live, known):
+            self.metrics.init_model(model)
+            self.metrics.set_state(model, "idle")
+            self.metrics.live_version.labels(model).set(version)
         for model, ms in list(self.store.models().items()):
             if ms.get("canary"):
                 canary = Canary.from_dict(model, ms["canary"])
@@ -413,6 +423,21 @@ class CanaryManager:
                         await self.decide(model, Judgement(PIN, (f"candidate could not be reloaded: {exc}",), {}),
                                           "sidecar")  # fmt: skip
             self._publish(model)
+
+    def _configured_live(self, skip: set[str]) -> list[tuple[str, int]]:
+        """(model, version) for each repository model whose config pins one version (`specific [v]`)."""
+        out = []
+        for entry in sorted(Path(self.config.repository).iterdir()):
+            model = entry.name
+            if model in skip or model.startswith(".") or model.endswith(SHADOW_SUFFIX) or not entry.is_dir():
+                continue
+            try:
+                policy = self.control.policy(model)
+            except (ControlError, ValueError):
+                continue
+            if policy is not None and len(policy) == 1:
+                out.append((model, policy[0]))
+        return out
 
     async def close(self) -> None:
         for canary in self.canaries.values():

@@ -150,6 +150,9 @@ def decisions(sc: Sidecar) -> list[dict[str, Any]]:
 
 async def test_good_candidate_is_promoted(sidecar: Sidecar, client: aiohttp.ClientSession,
                                           triton: EmbeddedTriton, repo: Path) -> None:  # fmt: skip
+    # Before any canary the live version comes from the config's policy (a dashboard's first scrape).
+    assert sidecar.metric("tunegate_live_version", model="good") == 1
+    assert sidecar.metric("tunegate_canary_state", model="good", state="idle") == 1
     code, st = await start_canary(client, sidecar, "good")
     assert code == 201, st
     assert st["canary"]["tolerance_source"] == "release.json"

@@ -95,6 +95,8 @@ def _count(shape: tuple[int, ...]) -> int:
 def _flatten(data: Any) -> list[Any]:
     if not isinstance(data, list):
         return [data]
+    if list not in set(map(type, data)):
+        return data  # already flat, as Triton writes its outputs: no per-element Python loop
     out: list[Any] = []
     stack = [iter(data)]
     while stack:
@@ -122,16 +124,18 @@ def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str
             else:
                 raise CodecError(f"{where}: BYTES data must be strings, got {type(v).__name__}")
         return np.array(items, dtype=np.object_).reshape(shape)
+    # Element types are checked as a set (a C loop): this runs for every mirrored JSON response.
+    types = set(map(type, flat))
     if datatype == "BOOL":
-        if not all(isinstance(v, bool) for v in flat):
+        if not types <= {bool}:
             raise CodecError(f"{where}: BOOL data must be true/false")
     elif datatype.startswith(("INT", "UINT")):
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+        if not types <= {int}:
             raise CodecError(f"{where}: {datatype} data must be integers")
         info = np.iinfo(_np_dtype(datatype))
         if flat and (min(flat) < info.min or max(flat) > info.max):
             raise CodecError(f"{where}: data does not fit {datatype} (range {info.min}..{info.max})")
-    elif not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat):
+    elif not types <= {int, float}:
         raise CodecError(f"{where}: {datatype} data must be numbers")
     try:
         arr = np.array(flat, dtype=_np_dtype(datatype))
