@@ -1,6 +1,6 @@
 """Sidecar vs nginx in front of the same Triton: throughput and added latency, with and without mirroring.
 
-One run prints the table issue 4 asks for. Load: wrk (POST, keep-alive, --latency) at each
+One run prints the table issue 4 asks for (medians over --repeats rounds of every setup). Load: wrk (POST, keep-alive, --latency) at each
 concurrency, against a python-backend identity model FP32[16] on the embedded Triton:
 
   direct            wrk -> Triton
@@ -22,14 +22,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,55 +180,79 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lua.write_text(f'wrk.method = "POST"\nwrk.body = {json.dumps(BODY)}\nwrk.headers["Content-Type"] = "application/json"\n')
     repo = build_repository(work / "repo")
     token = write_token_file(work / "token", TOKEN)
-    results: dict[str, dict[int, dict[str, float]]] = {}
+    raw: dict[str, dict[int, list[dict[str, float]]]] = {}
     console = Console(stderr=True)
+    evidence: list[dict[str, Any]] = []
 
     def measure(name: str, url: str) -> None:
-        results[name] = {}
+        per = raw.setdefault(name, {})
         for c in args.concurrency:
-            results[name][c] = r = wrk(url, c, args.duration, lua)
+            r = wrk(url, c, args.duration, lua)
+            per.setdefault(c, []).append(r)
             console.print(f"{name:15s} c={c:<3d} {r['rps']:8.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms")
 
     models = ("ident", "nginx_cand", "nginx_slow")
     with EmbeddedTriton(TritonOptions(repository=repo, models=models), workdir=work / "triton") as triton:
-        measure("direct", triton.http_url)
-        with nginx(work, triton.http_port, None) as url:
-            measure("nginx", url)
-        with nginx(work, triton.http_port, "nginx_cand") as url:
-            measure("nginx+mirror", url)
-        with nginx(work, triton.http_port, "nginx_slow") as url:
-            measure("nginx+slow", url)
-        with SidecarProcess(upstream=triton.http_url, state_dir=work / "state", repository=repo,
-                            token_file=token) as sc:  # fmt: skip
-            admin = AdminClient(sc.url, TOKEN)
-            measure("sidecar", sc.url)
-            never = {"min_samples": 10**9, "deadline_s": 86400.0, "aa_rate": 0.0, "sample_rate": 1.0}
-            tol = {"y": {"metric": "linf", "threshold": 1e-6}}
-            # The mirrored run measures throughput with every response compared, so the judge must not end it:
-            # at saturation on 2 cores the mirrored copy runs beside the next client request and looks a few
-            # percent slower, which the default 5% slack pins within seconds (then the run is passthrough).
-            admin.start("ident", 2, tol, max_in_flight=64, latency_slack=9.0, **never)
-            measure("sidecar+mirror", sc.url)
-            status = admin.status("ident")
-            if status["canary"] is not None:
-                st = status["canary"]["evidence"]
-                admin.pin("ident")
-            else:  # the judge decided during the run (say, fail-fast on latency): keep its record's evidence
-                rec = admin.decisions("ident")[-1]
-                st = {**rec["evidence"], "decided": rec["outcome"], "reasons": rec["reasons"]}
-                console.print(f"[yellow]the judge decided during sidecar+mirror: {rec['outcome']}: {rec['reasons']}")
-            admin.start("ident", 3, tol, **never)
-            measure("sidecar+slow", sc.url)
-            # The judge fails a 100 ms slower candidate fast on latency: it may be pinned already.
-            if admin.status("ident")["state"] == "running":
-                admin.pin("ident")
-    return {"results": results, "mirror_evidence": st, "duration_s": args.duration}
+        # Every setup once per round, rounds repeated: drift on a shared 2-core machine hits all setups alike,
+        # and each figure is the median over the rounds.
+        for rnd in range(args.repeats):
+            console.print(f"[bold]round {rnd + 1} of {args.repeats}")
+            evidence.append(one_round(triton, work, repo, token, rnd, measure, console))
+    results = {name: {c: median_run(runs) for c, runs in per.items()} for name, per in raw.items()}
+    return {"results": results, "runs": raw, "mirror_evidence": evidence, "duration_s": args.duration,
+            "repeats": args.repeats}  # fmt: skip
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the median over the rounds (NaN where no round had a value, e.g. all requests timed out)."""
+    out = {}
+    for key in runs[0]:
+        vals = [r[key] for r in runs if not math.isnan(r[key])]
+        out[key] = statistics.median(vals) if vals else float("nan")
+    return out
+
+
+def one_round(triton: EmbeddedTriton, work: Path, repo: Path, token: Path, rnd: int,
+              measure: Callable[[str, str], None], console: Console) -> dict[str, Any]:  # fmt: skip
+    measure("direct", triton.http_url)
+    with nginx(work, triton.http_port, None) as url:
+        measure("nginx", url)
+    with nginx(work, triton.http_port, "nginx_cand") as url:
+        measure("nginx+mirror", url)
+    with nginx(work, triton.http_port, "nginx_slow") as url:
+        measure("nginx+slow", url)
+    with SidecarProcess(upstream=triton.http_url, state_dir=work / f"state{rnd}", repository=repo,
+                        token_file=token) as sc:  # fmt: skip
+        admin = AdminClient(sc.url, TOKEN)
+        measure("sidecar", sc.url)
+        never = {"min_samples": 10**9, "deadline_s": 86400.0, "aa_rate": 0.0, "sample_rate": 1.0}
+        tol = {"y": {"metric": "linf", "threshold": 1e-6}}
+        # The mirrored run measures throughput with every response compared, so the judge must not end it:
+        # at saturation on 2 cores the mirrored copy runs beside the next client request and looks a few
+        # percent slower, which the default 5% slack pins within seconds (then the run is passthrough).
+        admin.start("ident", 2, tol, max_in_flight=64, latency_slack=9.0, **never)
+        measure("sidecar+mirror", sc.url)
+        status = admin.status("ident")
+        if status["canary"] is not None:
+            st = status["canary"]["evidence"]
+            admin.pin("ident")
+        else:  # the judge decided during the run anyway: keep its record's evidence
+            rec = admin.decisions("ident")[-1]
+            st = {**rec["evidence"], "decided": rec["outcome"], "reasons": rec["reasons"]}
+            console.print(f"[yellow]the judge decided during sidecar+mirror: {rec['outcome']}: {rec['reasons']}")
+        admin.start("ident", 3, tol, **never)
+        measure("sidecar+slow", sc.url)
+        # The judge fails a 100 ms slower candidate fast on latency: it may be pinned already.
+        if admin.status("ident")["state"] == "running":
+            admin.pin("ident")
+    return dict(st)
 
 
 def report(data: dict[str, Any]) -> None:
     res = data["results"]
     conc = list(next(iter(res.values())))
-    t = Table(title="tunegate sidecar vs nginx (identity FP32[16], python backend, wrk POST keep-alive)")
+    t = Table(title="tunegate sidecar vs nginx (identity FP32[16], python backend, wrk POST keep-alive; "
+                    f"medians of {data.get('repeats', 1)} rounds)")
     t.add_column("setup")
     for c in conc:
         t.add_column(f"c={c} req/s", justify="right")
@@ -257,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
     p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--repeats", type=int, default=3, help="rounds of every setup; figures are medians over them")
     p.add_argument("--json", action="store_true", help="print the raw results as JSON too")
     args = p.parse_args(argv)
     data = run(args)
