@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import httptools
 
 Headers = Sequence[tuple[bytes, bytes]]
+COALESCE_BYTES = 256 << 10  # bodies up to this size are sent in one write with the head (copying is cheaper)
 
 
 class UpstreamError(Exception):
@@ -156,9 +157,12 @@ class UpstreamPool:
                 waiter: asyncio.Future[tuple[UpstreamResponse, bool]] = loop.create_future()
                 conn.waiter, conn.got_data = waiter, False
                 assert conn.transport is not None
-                conn.transport.write(head)
-                if body:
-                    conn.transport.write(body)
+                if body and len(body) <= COALESCE_BYTES:
+                    conn.transport.write(head + body)  # one send, one segment for Triton to read
+                else:
+                    conn.transport.write(head)
+                    if body:
+                        conn.transport.write(body)
                 timer = loop.call_later(timeout_s or self.timeout_s, conn.fail, UpstreamTimeout("timeout"))
                 try:
                     resp, keep_alive = await waiter
