@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from multidict import CIMultiDict
 
 from sidecar.config import CanaryParams, ConfigError, SidecarConfig
 from sidecar.control import SHADOW_SUFFIX, ControlError, PromotionError, TritonControl, shadow_name
@@ -28,12 +27,12 @@ from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, judge
 from sidecar.metrics import SidecarMetrics
 from sidecar.mirror import BoundedTasks, Comparison, Response, compare_responses
 from sidecar.state import EvidenceCounter, StateStore
-from sidecar.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
+from sidecar.upstream import Headers, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from tunegate.tolerance import ToleranceError, ToleranceSpec
 
 LOG = logging.getLogger(__name__)
 INLINE_COMPARE_BYTES = 8 << 10
-FORWARD_MIRROR_HEADERS = ("Content-Type", "Content-Encoding", "Inference-Header-Content-Length")
+FORWARD_MIRROR_HEADERS = frozenset({b"content-type", b"content-encoding", b"inference-header-content-length"})
 
 
 class CanaryError(Exception):
@@ -138,7 +137,9 @@ class CanaryManager:
     def sample(self, rate: float) -> bool:
         return rate >= 1.0 or self._random.random() < rate
 
-    def offer(self, model: str, body: bytes, headers: Any, primary: Response, primary_s: float, request_id: str) -> None:
+    def offer(self, model: str, body: bytes, headers: Headers, primary: UpstreamResponse, primary_s: float,
+              request_id: str) -> None:  # fmt: skip
+        """Mirror one answered client request (its raw header pairs); returns at once."""
         canary = self.canaries.get(model)
         if canary is None or canary.pending is not None or primary.status != 200:
             return
@@ -146,17 +147,17 @@ class CanaryManager:
         if not self.sample(p.sample_rate):
             return
         self.metrics.mirror_sampled.labels(model, "candidate").inc()
-        fwd = {k: headers[k] for k in FORWARD_MIRROR_HEADERS if k in headers}
+        fwd = [(k, v) for k, v in headers if k.lower() in FORWARD_MIRROR_HEADERS]
+        reference = Response.from_raw(primary.status, primary.body, primary.headers)
         aa = p.aa_rate > 0 and self._random.random() < p.aa_rate
-        if not canary.tasks.offer(self._mirror(canary, body, fwd, primary, primary_s, request_id, aa)):
+        if not canary.tasks.offer(self._mirror(canary, body, fwd, reference, primary_s, request_id, aa)):
             self.metrics.mirror_dropped.labels(model, "candidate", "full").inc()
 
     async def _replay(self, canary: Canary, path: str, version: int, role: str,
-                      body: bytes, headers: dict[str, str]) -> tuple[Response, float] | str:  # fmt: skip
+                      body: bytes, headers: Headers) -> tuple[Response, float] | str:  # fmt: skip
         t0 = time.perf_counter()
-        fwd = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         try:
-            resp = await self.upstream.request(b"POST", path.encode(), fwd, body, timeout_s=canary.params.timeout_s)
+            resp = await self.upstream.request(b"POST", path.encode(), headers, body, timeout_s=canary.params.timeout_s)
         except UpstreamTimeout:
             self.metrics.mirror_errors.labels(canary.model, str(version), role, "timeout").inc()
             return "timeout"
@@ -164,14 +165,14 @@ class CanaryManager:
             LOG.debug("%s replay failed: %r", role, exc)
             self.metrics.mirror_errors.labels(canary.model, str(version), role, "error").inc()
             return "error"
-        out = Response(resp.status, resp.body, CIMultiDict(resp.header_dict()))
+        out = Response.from_raw(resp.status, resp.body, resp.headers)
         dt = time.perf_counter() - t0
         self.metrics.observe_request(canary.model, str(version), role, out.status, dt)
         if out.status != 200:
             self.metrics.mirror_errors.labels(canary.model, str(version), role, "error").inc()
         return out, dt
 
-    async def _mirror(self, canary: Canary, body: bytes, headers: dict[str, str], primary: Response,
+    async def _mirror(self, canary: Canary, body: bytes, headers: Headers, primary: Response,
                       primary_s: float, request_id: str, aa: bool) -> None:  # fmt: skip
         ev, m = canary.evidence, canary.model
         got = await self._replay(canary, f"/v2/models/{shadow_name(m)}/versions/{canary.candidate}/infer",

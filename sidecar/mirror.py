@@ -11,8 +11,10 @@ import asyncio
 import contextlib
 import dataclasses
 import zlib
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any
+
+from multidict import CIMultiDict
 
 from tunegate import codec
 from tunegate.tolerance import ToleranceSpec, compare
@@ -58,6 +60,11 @@ class Response:
     @property
     def header_length(self) -> int | None:
         return codec.parse_header_length(self.headers.get(codec.HEADER))
+
+    @classmethod
+    def from_raw(cls, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]]) -> Response:
+        """From an upstream answer's raw header pairs (made only for responses the mirror compares)."""
+        return cls(status, body, CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers))
 
 
 @dataclasses.dataclass(frozen=True)

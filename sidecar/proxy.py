@@ -30,13 +30,11 @@ from urllib.parse import unquote
 
 import httptools
 from aiohttp import web
-from multidict import CIMultiDict
 
 from sidecar.canary import CanaryManager
 from sidecar.config import SidecarConfig
 from sidecar.metrics import SidecarMetrics
-from sidecar.mirror import Response
-from sidecar.upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from sidecar.upstream import UpstreamError, UpstreamPool, UpstreamTimeout, find_header
 from tunegate import codec
 from tunegate.capture import CaptureRecord, CaptureWriter
 
@@ -96,9 +94,6 @@ class Request:
 
     def forward_headers(self) -> list[tuple[bytes, bytes]]:
         return [(k, v) for k, v in self.headers if k.lower() not in HOP_BY_HOP]
-
-    def header_map(self) -> CIMultiDict[str]:
-        return CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.headers)
 
 
 class _Reject(Exception):
@@ -310,19 +305,19 @@ class Front:
         request_id = None
         if version is None and resp.status == 200 and model in self.manager.canaries:
             request_id = uuid.uuid4().hex  # names this request in exemplars and captures
-            self.manager.offer(model, req.body, req.header_map(), primary_response(resp), seconds, request_id)
+            self.manager.offer(model, req.body, req.headers, resp, seconds, request_id)
         if self.capture is not None and resp.status == 200 and self.manager.sample(self.config.capture_rate):
             self._capture(req, model, routed if version is not None else None, request_id or uuid.uuid4().hex)
         return render(resp.status, resp.reason, resp.headers, resp.body, req.keep_alive)
 
     def _capture(self, req: Request, model: str, version: str | None, request_id: str) -> None:
-        headers = req.header_map()
+        if find_header(req.headers, b"content-encoding"):
+            return  # captures hold plain bodies that Locust can replay as they are
+        raw_hl = find_header(req.headers, codec.HEADER.lower().encode())
         try:
-            hl = codec.parse_header_length(headers.get(codec.HEADER))
+            hl = codec.parse_header_length(None if raw_hl is None else raw_hl.decode("latin-1"))
         except codec.CodecError:
             return
-        if headers.get("Content-Encoding"):
-            return  # captures hold plain bodies that Locust can replay as they are
         rec = CaptureRecord(ts=time.time(), model=model, version=version, body=req.body, header_length=hl,
                             request_id=request_id)  # fmt: skip
         # One buffered line write, rate-capped by the writer (no fsync): cheap enough for the loop.
@@ -334,8 +329,4 @@ class Front:
             if conn.transport is not None:
                 conn.transport.close()
 
-
-def primary_response(resp: UpstreamResponse) -> Response:
-    """The form the mirror compares against (headers case-insensitive)."""
-    return Response(resp.status, resp.body, CIMultiDict(resp.header_dict()))
 

@@ -22,6 +22,14 @@ Headers = Sequence[tuple[bytes, bytes]]
 COALESCE_BYTES = 256 << 10  # bodies up to this size are sent in one write with the head (copying is cheaper)
 
 
+def find_header(headers: Headers, name: bytes) -> bytes | None:
+    """The first header called `name` (lower-case), or None: raw pairs are searched, not converted."""
+    for k, v in headers:
+        if k.lower() == name:
+            return v
+    return None
+
+
 class UpstreamError(Exception):
     """The upstream could not be reached, broke the connection or sent something that is not HTTP."""
 
@@ -36,16 +44,6 @@ class UpstreamResponse:
     reason: bytes
     headers: list[tuple[bytes, bytes]]
     body: bytes
-
-    def header(self, name: bytes) -> bytes | None:
-        """The first header of that (lower-case) name, or None."""
-        for k, v in self.headers:
-            if k.lower() == name:
-                return v
-        return None
-
-    def header_dict(self) -> dict[str, str]:
-        return {k.decode("latin-1"): v.decode("latin-1") for k, v in self.headers}
 
 
 class _Connection(asyncio.Protocol):
