@@ -148,9 +148,8 @@ class CanaryManager:
             return
         self.metrics.mirror_sampled.labels(model, "candidate").inc()
         fwd = [(k, v) for k, v in headers if k.lower() in FORWARD_MIRROR_HEADERS]
-        reference = Response.from_raw(primary.status, primary.body, primary.headers)
         aa = p.aa_rate > 0 and self._random.random() < p.aa_rate
-        if not canary.tasks.offer(self._mirror(canary, body, fwd, reference, primary_s, request_id, aa)):
+        if not canary.tasks.offer(self._mirror(canary, body, fwd, primary, primary_s, request_id, aa)):
             self.metrics.mirror_dropped.labels(model, "candidate", "full").inc()
 
     async def _replay(self, canary: Canary, path: str, version: int, role: str,
@@ -172,9 +171,10 @@ class CanaryManager:
             self.metrics.mirror_errors.labels(canary.model, str(version), role, "error").inc()
         return out, dt
 
-    async def _mirror(self, canary: Canary, body: bytes, headers: Headers, primary: Response,
+    async def _mirror(self, canary: Canary, body: bytes, headers: Headers, answered: UpstreamResponse,
                       primary_s: float, request_id: str, aa: bool) -> None:  # fmt: skip
         ev, m = canary.evidence, canary.model
+        primary = Response.from_raw(answered.status, answered.body, answered.headers)  # in the task, not the client's
         got = await self._replay(canary, f"/v2/models/{shadow_name(m)}/versions/{canary.candidate}/infer",
                                  canary.candidate, "candidate", body, headers)  # fmt: skip
         if isinstance(got, str) or got[0].status != 200:
