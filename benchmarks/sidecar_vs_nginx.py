@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -110,7 +111,7 @@ def build_repository(root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def nginx(workdir: Path, triton_port: int, mirror_model: str | None) -> Iterator[str]:
+def nginx(workdir: Path, triton_port: int, mirror_model: str | None) -> Iterator[tuple[str, int]]:
     prefix = Path(tempfile.mkdtemp(prefix="nginx-", dir=workdir))
     port = free_port()
     mirror = "mirror /mirror;\n      mirror_request_body on;" if mirror_model else ""
@@ -120,7 +121,7 @@ def nginx(workdir: Path, triton_port: int, mirror_model: str | None) -> Iterator
     proc = subprocess.Popen(["nginx", "-p", str(prefix), "-c", str(conf)], stderr=subprocess.PIPE)
     try:
         wait_port(port, proc)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc.pid
     finally:
         proc.send_signal(signal.SIGQUIT)
         try:
@@ -171,6 +172,23 @@ def wrk(url: str, concurrency: int, duration_s: float, lua: Path) -> dict[str, f
             "timeouts": float(timeouts.group(1)) if timeouts else 0.0}  # fmt: skip
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of a process and its children (nginx's workers), 0 for none."""
+    if pid is None:
+        return 0.0
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for pr in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = pr.cpu_times()
+            total += t.user + t.system
+    return total
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     for tool in ("nginx", "wrk"):
         if shutil.which(tool) is None:
@@ -184,15 +202,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     console = Console(stderr=True)
     evidence: list[dict[str, Any]] = []
 
-    def measure(name: str, url: str) -> None:
+    def measure(name: str, url: str, proxy_pid: int | None) -> None:
         per = raw.setdefault(name, {})
         for c in args.concurrency:
+            before = cpu_seconds(proxy_pid), cpu_seconds(triton_pid)
             r = wrk(url, c, args.duration, lua)
+            after = cpu_seconds(proxy_pid), cpu_seconds(triton_pid)
+            n = max(1.0, r["rps"] * max(1, round(args.duration)))
+            # CPU per client request: the proxy's own (nginx master + worker, or the sidecar), and Triton's
+            # (server + python stubs), which mirroring doubles.
+            r["proxy_cpu_us"] = (after[0] - before[0]) / n * 1e6
+            r["triton_cpu_us"] = (after[1] - before[1]) / n * 1e6
             per.setdefault(c, []).append(r)
-            console.print(f"{name:15s} c={c:<3d} {r['rps']:8.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms")
+            console.print(f"{name:15s} c={c:<3d} {r['rps']:8.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms"
+                          f"  cpu/req proxy {r['proxy_cpu_us']:.0f} us, triton {r['triton_cpu_us']:.0f} us")
 
     models = ("ident", "nginx_cand", "nginx_slow")
+    triton_pid: int | None = None
     with EmbeddedTriton(TritonOptions(repository=repo, models=models), workdir=work / "triton") as triton:
+        triton_pid = triton.proc.pid if triton.proc is not None else None
         # Every setup once per round, rounds repeated: drift on a shared 2-core machine hits all setups alike,
         # and each figure is the median over the rounds.
         for rnd in range(args.repeats):
@@ -213,25 +241,26 @@ def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def one_round(triton: EmbeddedTriton, work: Path, repo: Path, token: Path, rnd: int,
-              measure: Callable[[str, str], None], console: Console) -> dict[str, Any]:  # fmt: skip
-    measure("direct", triton.http_url)
-    with nginx(work, triton.http_port, None) as url:
-        measure("nginx", url)
-    with nginx(work, triton.http_port, "nginx_cand") as url:
-        measure("nginx+mirror", url)
-    with nginx(work, triton.http_port, "nginx_slow") as url:
-        measure("nginx+slow", url)
+              measure: Callable[[str, str, int | None], None], console: Console) -> dict[str, Any]:  # fmt: skip
+    measure("direct", triton.http_url, None)
+    with nginx(work, triton.http_port, None) as (url, pid):
+        measure("nginx", url, pid)
+    with nginx(work, triton.http_port, "nginx_cand") as (url, pid):
+        measure("nginx+mirror", url, pid)
+    with nginx(work, triton.http_port, "nginx_slow") as (url, pid):
+        measure("nginx+slow", url, pid)
     with SidecarProcess(upstream=triton.http_url, state_dir=work / f"state{rnd}", repository=repo,
                         token_file=token) as sc:  # fmt: skip
         admin = AdminClient(sc.url, TOKEN)
-        measure("sidecar", sc.url)
+        pid = sc.proc.pid if sc.proc is not None else None
+        measure("sidecar", sc.url, pid)
         never = {"min_samples": 10**9, "deadline_s": 86400.0, "aa_rate": 0.0, "sample_rate": 1.0}
         tol = {"y": {"metric": "linf", "threshold": 1e-6}}
         # The mirrored run measures throughput with every response compared, so the judge must not end it:
         # at saturation on 2 cores the mirrored copy runs beside the next client request and looks a few
         # percent slower, which the default 5% slack pins within seconds (then the run is passthrough).
         admin.start("ident", 2, tol, max_in_flight=64, latency_slack=9.0, **never)
-        measure("sidecar+mirror", sc.url)
+        measure("sidecar+mirror", sc.url, pid)
         status = admin.status("ident")
         if status["canary"] is not None:
             st = status["canary"]["evidence"]
@@ -241,7 +270,7 @@ def one_round(triton: EmbeddedTriton, work: Path, repo: Path, token: Path, rnd: 
             st = {**rec["evidence"], "decided": rec["outcome"], "reasons": rec["reasons"]}
             console.print(f"[yellow]the judge decided during sidecar+mirror: {rec['outcome']}: {rec['reasons']}")
         admin.start("ident", 3, tol, **never)
-        measure("sidecar+slow", sc.url)
+        measure("sidecar+slow", sc.url, pid)
         # The judge fails a 100 ms slower candidate fast on latency: it may be pinned already.
         if admin.status("ident")["state"] == "running":
             admin.pin("ident")
@@ -266,6 +295,14 @@ def report(data: dict[str, Any]) -> None:
             row += [f"{r['rps']:.0f}{err}", f"{r['p50_ms'] - d['p50_ms']:+.3f} / {r['p99_ms'] - d['p99_ms']:+.3f}"]
         t.add_row(*row)
     Console().print(t)
+    cpu = Table(title="CPU per client request, us (proxy: nginx master+worker or the sidecar; triton: server + stubs)")
+    cpu.add_column("setup")
+    for c in conc:
+        cpu.add_column(f"c={c} proxy", justify="right")
+        cpu.add_column(f"c={c} triton", justify="right")
+    for name, per in res.items():
+        cpu.add_row(name, *[f"{per[c].get(k, float('nan')):.0f}" for c in conc for k in ("proxy_cpu_us", "triton_cpu_us")])
+    Console().print(cpu)
     lines = []
     for c in conc:
         ratio = res["sidecar"][c]["rps"] / res["nginx"][c]["rps"]

@@ -25,7 +25,7 @@ from sidecar.config import CanaryParams, ConfigError, SidecarConfig
 from sidecar.control import SHADOW_SUFFIX, ControlError, PromotionError, TritonControl, shadow_name
 from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, judge
 from sidecar.metrics import SidecarMetrics
-from sidecar.mirror import BoundedTasks, Comparison, Response, compare_responses
+from sidecar.mirror import BoundedTasks, Comparison, compare_responses
 from sidecar.state import EvidenceCounter, StateStore
 from sidecar.upstream import Headers, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from tunegate.tolerance import ToleranceError, ToleranceSpec
@@ -153,7 +153,7 @@ class CanaryManager:
             self.metrics.mirror_dropped.labels(model, "candidate", "full").inc()
 
     async def _replay(self, canary: Canary, path: str, version: int, role: str,
-                      body: bytes, headers: Headers) -> tuple[Response, float] | str:  # fmt: skip
+                      body: bytes, headers: Headers) -> tuple[UpstreamResponse, float] | str:  # fmt: skip
         t0 = time.perf_counter()
         try:
             resp = await self.upstream.request(b"POST", path.encode(), headers, body, timeout_s=canary.params.timeout_s)
@@ -164,17 +164,15 @@ class CanaryManager:
             LOG.debug("%s replay failed: %r", role, exc)
             self.metrics.mirror_errors.labels(canary.model, str(version), role, "error").inc()
             return "error"
-        out = Response.from_raw(resp.status, resp.body, resp.headers)
         dt = time.perf_counter() - t0
-        self.metrics.observe_request(canary.model, str(version), role, out.status, dt)
-        if out.status != 200:
+        self.metrics.observe_request(canary.model, str(version), role, resp.status, dt)
+        if resp.status != 200:
             self.metrics.mirror_errors.labels(canary.model, str(version), role, "error").inc()
-        return out, dt
+        return resp, dt
 
-    async def _mirror(self, canary: Canary, body: bytes, headers: Headers, answered: UpstreamResponse,
+    async def _mirror(self, canary: Canary, body: bytes, headers: Headers, primary: UpstreamResponse,
                       primary_s: float, request_id: str, aa: bool) -> None:  # fmt: skip
         ev, m = canary.evidence, canary.model
-        primary = Response.from_raw(answered.status, answered.body, answered.headers)  # in the task, not the client's
         got = await self._replay(canary, f"/v2/models/{shadow_name(m)}/versions/{canary.candidate}/infer",
                                  canary.candidate, "candidate", body, headers)  # fmt: skip
         if isinstance(got, str) or got[0].status != 200:
@@ -213,7 +211,7 @@ class CanaryManager:
             self.metrics.noise_floor_rate.labels(m).set(ev.aa_out_of_tolerance / ev.aa_compared)
 
     @staticmethod
-    async def _compare(primary: Response, other: Response, spec: ToleranceSpec) -> Comparison:
+    async def _compare(primary: UpstreamResponse, other: UpstreamResponse, spec: ToleranceSpec) -> Comparison:
         """Decode and compare off the event loop; small responses inline, where a thread handoff costs more.
 
         Under INLINE_COMPARE_BYTES the work is tens of microseconds, less than handing it to a thread and

@@ -2,7 +2,8 @@
 
 `BoundedTasks` is tracked, bounded work: a task set with a capacity; a job offered when it is full
 is dropped and counted, and `drain()` cancels and awaits what is left at shutdown. The comparison
-(decoding, numpy) runs in an executor via `compare_responses`, a pure function.
+(decoding, numpy) is `compare_responses`, a pure function over two upstream answers (raw header pairs
+and body bytes); the canary runs it inline for small responses and in an executor for large ones.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ import asyncio
 import contextlib
 import dataclasses
 import zlib
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
-from multidict import CIMultiDict
-
+from sidecar.upstream import UpstreamResponse, find_header
 from tunegate import codec
-from tunegate.tolerance import ToleranceSpec, compare
+from tunegate.tolerance import ToleranceSpec, compare, identical_passes
 
 
 class BoundedTasks:
@@ -51,20 +51,10 @@ class BoundedTasks:
         return len(left)
 
 
-@dataclasses.dataclass(frozen=True)
-class Response:
-    status: int
-    body: bytes
-    headers: Mapping[str, str]
-
-    @property
-    def header_length(self) -> int | None:
-        return codec.parse_header_length(self.headers.get(codec.HEADER))
-
-    @classmethod
-    def from_raw(cls, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]]) -> Response:
-        """From an upstream answer's raw header pairs (made only for responses the mirror compares)."""
-        return cls(status, body, CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers))
+def header_length(resp: UpstreamResponse) -> int | None:
+    """The binary extension's JSON header length, from the raw header pairs (CodecError when malformed)."""
+    raw = find_header(resp.headers, b"inference-header-content-length")
+    return codec.parse_header_length(None if raw is None else raw.decode("latin-1"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,23 +65,47 @@ class Comparison:
     reference_ok: bool = True  # False: the primary's own response could not be decoded (nothing judged)
 
 
-def _plain_body(resp: Response) -> bytes:
-    enc = resp.headers.get("Content-Encoding", "").lower()
-    if enc == "gzip":
+def _plain_body(resp: UpstreamResponse) -> bytes:
+    enc = find_header(resp.headers, b"content-encoding")
+    if enc is None:
+        return resp.body
+    enc = enc.lower()
+    if enc == b"gzip":
         return zlib.decompress(resp.body, 16 + zlib.MAX_WBITS)
-    if enc == "deflate":
+    if enc == b"deflate":
         return zlib.decompress(resp.body)
     return resp.body
 
 
-def compare_responses(primary: Response, other: Response, spec: ToleranceSpec) -> Comparison:
-    """Decode both responses with the shared codec and compare them with the tuner's gate code."""
+def _identical_outputs(header: Mapping[str, Any], plain: bytes, hl: int | None, other: UpstreamResponse) -> bool:
+    """Would the other response decode to exactly the primary's outputs? Decided on the parsed JSON and raw tail."""
     try:
-        ref = codec.decode_response(_plain_body(primary), primary.header_length).arrays()
+        other_header, other_tail = codec.split_body(_plain_body(other), header_length(other))
+    except (codec.CodecError, zlib.error):
+        return False
+    tail = plain[hl:] if hl is not None else b""
+    return other_tail == tail and codec.same_json(header.get("outputs"), other_header.get("outputs"))
+
+
+def compare_responses(primary: UpstreamResponse, other: UpstreamResponse, spec: ToleranceSpec,
+                      fast: bool = True) -> Comparison:  # fmt: skip
+    """Decode both responses with the shared codec and compare them with the tuner's gate code.
+
+    Fast path (`fast`): when the candidate's outputs would decode to exactly the primary's (the same
+    parsed JSON, type for type, and the same binary tail: A/A replays, deterministic candidates), the
+    candidate is not decoded and no metric is computed if `identical_passes` says the gate passes them
+    for certain. The verdict is the same either way (tests/test_mirror_compare.py checks both paths).
+    """
+    try:
+        plain, hl = _plain_body(primary), header_length(primary)
+        msg = codec.decode_response(plain, hl)
     except (codec.CodecError, zlib.error) as exc:
         return Comparison(False, {}, (f"primary response not decodable: {exc}",), reference_ok=False)
+    ref = msg.arrays()
+    if fast and _identical_outputs(msg.header, plain, hl, other) and identical_passes(spec, ref):
+        return Comparison(True, {name: True for name in ref}, ())
     try:
-        cand = codec.decode_response(_plain_body(other), other.header_length).arrays()
+        cand = codec.decode_response(_plain_body(other), header_length(other)).arrays()
     except (codec.CodecError, zlib.error) as exc:
         return Comparison(False, {n: False for n in ref}, (f"response not decodable: {exc}",))
     verdict = compare(ref, cand, spec)

@@ -55,6 +55,7 @@ INFER_PATH = re.compile(rb"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 # would hand it to every unversioned caller before promotion.
 CONTROL_PATH = re.compile(rb"^/v2/repository/models/[^/]+/(load|unload)$")
 LINGER_S = 2.0  # after answering a request the connection cannot go on from, input is discarded this long
+SMALL_BODY = 64 << 10  # response bodies up to this size are joined with the head
 MAX_PIPELINED = 16  # requests parsed ahead on one connection before reading pauses
 
 
@@ -76,7 +77,12 @@ def render(status: int, reason: bytes, headers: list[tuple[bytes, bytes]], body:
     if not keep_alive:
         parts.append(b"Connection: close\r\n")
     parts.append(b"\r\n")
-    return [b"".join(parts)] if head_only or not body else [b"".join(parts), body]
+    if head_only or not body:
+        return [b"".join(parts)]
+    if len(body) <= SMALL_BODY:  # one buffer, one send: copying a small body costs less than a writev
+        parts.append(body)
+        return [b"".join(parts)]
+    return [b"".join(parts), body]
 
 
 def error(status: int, message: str, keep_alive: bool = True) -> list[bytes]:

@@ -204,7 +204,8 @@ def _to_json_data(array: np.ndarray, datatype: str) -> list[Any]:
     return flat
 
 
-def _split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], bytes]:
+def split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], bytes]:
+    """The parsed JSON header and the binary tail (empty for pure JSON); CodecError when the JSON is not an object."""
     if header_length is None:
         json_part, rest = body, b""
     else:
@@ -234,7 +235,7 @@ def parse_header_length(value: str | None) -> int | None:
 
 def decode(body: bytes, header_length: int | None, key: str = "inputs") -> InferMessage:
     """Decode a request (`key='inputs'`) or a response (`key='outputs'`)."""
-    header, rest = _split_body(body, header_length)
+    header, rest = split_body(body, header_length)
     entries = header.get(key)
     if key == "inputs" and entries is None:
         raise CodecError("request has no 'inputs'")
@@ -282,6 +283,28 @@ def decode(body: bytes, header_length: int | None, key: str = "inputs") -> Infer
     if offset != len(rest):
         raise CodecError(f"{len(rest) - offset} bytes after the binary tensors are not claimed by any tensor")
     return InferMessage(tensors=tensors, header=header)
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Parsed JSON values that decode to the same tensors: equal, and of the same Python type at every level.
+
+    Plain `==` is not enough (1 == 1.0 == True, and the codec accepts each for different datatypes).
+    Scalar lists, as Triton writes tensor data, are compared by C loops, not element by element in Python.
+    NaN never equals NaN here, so data holding one is reported as different (and gets fully compared).
+    """
+    t = type(a)
+    if t is not type(b):
+        return False
+    if t is dict:
+        return a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
+    if t is list:
+        if len(a) != len(b):
+            return False
+        types = set(map(type, a))
+        if dict in types or list in types:
+            return all(same_json(x, y) for x, y in zip(a, b, strict=True))
+        return bool(a == b) and list(map(type, a)) == list(map(type, b))
+    return bool(a == b)
 
 
 def decode_request(body: bytes, header_length: int | None = None) -> InferMessage:

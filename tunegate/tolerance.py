@@ -135,7 +135,7 @@ def _as_samples(a: np.ndarray) -> np.ndarray:
         return a.reshape(1, 1)
     if a.ndim == 1:
         return a.reshape(1, -1)
-    return a.reshape(a.shape[0], -1)
+    return a.reshape(a.shape[0], math.prod(a.shape[1:]))  # not -1: a (0, n) tensor has no size to infer from
 
 
 def sample_values(tol: Tolerance, ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
@@ -172,7 +172,7 @@ def sample_values(tol: Tolerance, ref: np.ndarray, cand: np.ndarray) -> np.ndarr
     hits = (rtop[..., :, None] == ctop[..., None, :]).any(axis=-1).mean(axis=-1)
     if rr.ndim == 1:
         return np.asarray(hits).reshape(1)
-    return np.asarray(hits.reshape(hits.shape[0], -1).mean(axis=1))
+    return np.asarray(hits.reshape(hits.shape[0], math.prod(hits.shape[1:])).mean(axis=1))
 
 
 def aggregate(tol: Tolerance, values: np.ndarray) -> tuple[float, int]:
@@ -266,9 +266,40 @@ def _verdict_for(name: str, tol: Tolerance | None, values: np.ndarray, structura
     op = (">=" if ok else "<") if tol.higher_is_better else ("<=" if ok else ">")
     reason = (
         f"{name}: {tol.statistic} {tol.metric} {stat:.6g} {op} {tol.threshold:g}"
-        f"{'' if ok else f' (worst sample {worst}: {values[worst]:.6g})'}"
+        f"{'' if ok else f' (worst sample {worst}: {values[worst]:.6g})' if worst >= 0 else ' (no samples)'}"
     )
     return OutputVerdict(name, tol, ok, stat, worst, tuple(float(x) for x in values), reason)
+
+
+COSINE_CERTAIN = 1.0 - 1e-6  # below this threshold, identical finite (non-FP64) samples pass cosine despite rounding
+
+
+def identical_passes(spec: ToleranceSpec, arrays: Mapping[str, np.ndarray]) -> bool:
+    """True when `compare(arrays, arrays, spec)` is certain to pass, decided without computing any metric.
+
+    For identical finite, non-empty numeric tensors every lower-is-better metric is exactly 0 and topk is
+    exactly 1, whatever the statistic; cosine is 1 up to rounding (hence COSINE_CERTAIN; FP64 is left out,
+    where squares can overflow). Anything else (NaN/Inf, empty or BYTES tensors, a named output that is
+    missing, a threshold that 0 or 1 does not meet) returns False: the caller then runs `compare`, so
+    the verdict is always the one `compare` gives.
+    """
+    for t in spec.tolerances:
+        if t.output != "*" and t.output not in arrays:
+            return False
+    for name, a in arrays.items():
+        tol = spec.for_output(name)
+        if tol is None:
+            continue
+        a = np.asarray(a)
+        if a.size == 0 or a.dtype.kind not in "biuf":
+            return False
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            return False
+        if tol.metric == "cosine" and (a.dtype == np.float64 or tol.threshold > COSINE_CERTAIN):
+            return False
+        if not within(tol, 1.0 if tol.higher_is_better else 0.0):
+            return False
+    return True
 
 
 def compare(ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray], spec: ToleranceSpec) -> Verdict:
@@ -303,7 +334,8 @@ def compare_many(
                 structural = structural or (s if offset == 0 else f"{s} (batch starting at sample {offset})")
                 continue
             if tol is not None and ra is not None and ca is not None:
-                vals = sample_values(tol, np.asarray(ra), np.asarray(ca))
+                with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf outcomes are judged, not warned about
+                    vals = sample_values(tol, np.asarray(ra), np.asarray(ca))
                 pooled.append(vals)
                 offset += vals.size
         values = np.concatenate(pooled) if pooled else np.zeros(0)

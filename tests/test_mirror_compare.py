@@ -1,0 +1,125 @@
+"""The mirror's comparison: the identical-outputs fast path gives exactly the verdict of the full decode + compare.
+
+No servers: bodies are encoded with the shared codec as Triton would send them (JSON or the binary
+extension), and `compare_responses` is run with and without its fast path.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar import mirror
+from sidecar.mirror import compare_responses
+from sidecar.upstream import UpstreamResponse
+from tunegate import codec
+from tunegate.tolerance import ToleranceSpec, identical_passes
+
+DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT32": np.int32, "BOOL": np.bool_}
+
+
+def answer(outputs: dict[str, np.ndarray], *, binary: bool, version: str = "1") -> UpstreamResponse:
+    body, hl = codec.encode_response(outputs, model_name="m", model_version=version, binary=binary)
+    headers = [(b"Content-Type", b"application/json")]
+    if hl is not None:
+        headers.append((b"Inference-Header-Content-Length", str(hl).encode()))
+    return UpstreamResponse(200, b"OK", headers, body)
+
+
+def both(primary: UpstreamResponse, other: UpstreamResponse, spec: ToleranceSpec) -> mirror.Comparison:
+    fast = compare_responses(primary, other, spec)
+    full = compare_responses(primary, other, spec, fast=False)
+    assert fast == full
+    return fast
+
+
+def spec_for(metric: str, threshold: float, statistic: str = "max") -> ToleranceSpec:
+    return ToleranceSpec.from_dict({"*": {"metric": metric, "threshold": threshold, "statistic": statistic}})
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_identical_outputs_skip_decoding_and_metrics(binary: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = {"y": np.linspace(-3, 3, 32, dtype=np.float32).reshape(2, 16), "k": np.arange(6, dtype=np.int32)}
+    primary, cand = answer(out, binary=binary), answer(out, binary=binary, version="2")
+
+    def no_compare(*_a: object, **_k: object) -> None:
+        raise AssertionError("the fast path must not compute metrics for identical outputs")
+
+    monkeypatch.setattr(mirror, "compare", no_compare)
+    cmp = compare_responses(primary, cand, spec_for("linf", 1e-6))
+    assert cmp.passed and cmp.outputs == {"y": True, "k": True} and cmp.reference_ok
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_a_changed_value_is_compared_in_full(binary: bool) -> None:
+    y = np.linspace(0, 1, 16, dtype=np.float32)
+    bad = y.copy()
+    bad[3] += 0.5
+    cmp = both(answer({"y": y}, binary=binary), answer({"y": bad}, binary=binary, version="2"), spec_for("linf", 1e-3))
+    assert not cmp.passed and cmp.outputs == {"y": False}
+    assert "linf" in cmp.reasons[0]
+
+
+def test_identical_nan_and_inf_are_left_to_the_full_compare() -> None:
+    y = np.array([1.0, np.nan, np.inf, 2.0], dtype=np.float32)
+    for metric in ("linf", "l0"):
+        cmp = both(answer({"y": y}, binary=True), answer({"y": y}, binary=True, version="2"), spec_for(metric, 0.5))
+        # linf of inf - inf is NaN: identical outputs still fail; l0 treats them as matching
+        assert cmp.passed is (metric == "l0")
+
+
+def test_json_numbers_of_another_type_are_not_identical() -> None:
+    """1 and 1.0 are equal in Python, but INT32 data written as 1.0 does not decode: the verdicts must agree."""
+    primary = answer({"k": np.array([1, 2, 3], dtype=np.int32)}, binary=False)
+    doc = json.loads(primary.body)
+    doc["outputs"][0]["data"] = [1.0, 2.0, 3.0]
+    other = UpstreamResponse(200, b"OK", primary.headers, json.dumps(doc).encode())
+    cmp = both(primary, other, spec_for("linf", 0.1))
+    assert not cmp.passed and "not decodable" in cmp.reasons[0]
+
+
+def test_identical_passes_declines_what_it_cannot_be_sure_of() -> None:
+    y = {"y": np.ones((2, 4), dtype=np.float32)}
+    assert identical_passes(spec_for("linf", 0.0), y)
+    assert identical_passes(spec_for("cosine", 0.999), y)
+    assert not identical_passes(spec_for("cosine", 1.0), y)  # rounding could put it just under
+    assert not identical_passes(spec_for("linf", -1.0), y)  # 0 does not meet a negative threshold
+    assert not identical_passes(ToleranceSpec.from_dict({"z": {"metric": "linf", "threshold": 1}}), y)
+    assert not identical_passes(spec_for("l1", 1.0), {"y": np.zeros((0, 4), dtype=np.float32)})
+    assert not identical_passes(spec_for("cosine", 0.9), {"y": np.ones(4, dtype=np.float64)})
+
+
+METRICS = st.sampled_from(["l0", "l1", "l2", "linf", "cosine", "topk"])
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], bool, ToleranceSpec]:
+    dt = draw(st.sampled_from(sorted(DTYPES)))
+    shape = draw(st.sampled_from([(4,), (2, 3), (1, 5), (3, 1), (0, 2)]))
+    n = int(np.prod(shape))
+    special = [0.0, -0.0, 1.0, 1e30, -1e30, np.nan, np.inf, -np.inf] if dt.startswith("FP") else [0, 1, 2, 7]
+    vals = draw(st.lists(st.sampled_from(special) | st.floats(-100, 100, width=16), min_size=n, max_size=n))
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = np.array(vals, dtype=np.float64).astype(DTYPES[dt]).reshape(shape)
+    cand = y.copy()
+    if n and draw(st.booleans()):  # a changed candidate half the time
+        flat = cand.reshape(-1)
+        i = draw(st.integers(0, n - 1))
+        flat[i] = (not flat[i]) if dt == "BOOL" else flat[i] + 1
+    metric = draw(METRICS)
+    hi = metric in ("cosine", "topk")
+    threshold = draw(st.sampled_from([0.0, 0.5, 0.999, 1.0] if hi or metric == "l0" else [-1.0, 0.0, 1e-6, 2.0]))
+    statistic = draw(st.sampled_from(["max", "mean", "quantile"]))
+    return {"y": y}, {"y": cand}, draw(st.booleans()), spec_for(metric, threshold, statistic)
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_fast_and_full_paths_agree(case: tuple[dict[str, np.ndarray], dict[str, np.ndarray], bool, ToleranceSpec]) -> None:
+    ref, cand, binary, spec = case
+    with np.errstate(all="ignore"):
+        both(answer(ref, binary=binary), answer(cand, binary=binary, version="2"), spec)
