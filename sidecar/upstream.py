@@ -5,6 +5,10 @@ llhttp (httptools) parsing the response: a proxied request costs a few tens of m
 where aiohttp's client took several hundred (profiled in session 1; `benchmarks/sidecar_vs_nginx.py`).
 Nothing is decoded: the response comes back as status, raw header pairs and the body bytes.
 
+`send()` is callback-based (no task, future or semaphore per request: the client path's cost at c=1
+is mostly such machinery); `request()` is the awaitable form for the mirror and the admin calls.
+Requests beyond `limit` connections wait in a FIFO queue for the next connection that frees up.
+
 A request that fails on a reused connection before any response byte arrived (the upstream closed an
 idle keep-alive connection) is retried once on a fresh one; every other failure is an UpstreamError.
 """
@@ -13,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import collections
 import dataclasses
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 import httptools
 
+LOG = logging.getLogger(__name__)
 Headers = Sequence[tuple[bytes, bytes]]
 COALESCE_BYTES = 256 << 10  # bodies up to this size are sent in one write with the head (copying is cheaper)
 
@@ -46,11 +53,35 @@ class UpstreamResponse:
     body: bytes
 
 
+Done = Callable[["UpstreamResponse | None", "BaseException | None"], None]
+
+
+def _deliver(ex: _Exchange, resp: UpstreamResponse | None, exc: BaseException | None) -> None:
+    try:
+        ex.done(resp, exc)
+    except Exception:  # a bug in a callback must not break a connection's parser or the pool
+        LOG.exception("an upstream callback failed")
+
+
+@dataclasses.dataclass(slots=True)
+class _Exchange:
+    """One request on its way: the bytes to send, where the answer goes, and how it has fared so far."""
+
+    head: bytes
+    body: bytes | None
+    done: Done
+    timeout_s: float
+    retried: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
 class _Connection(asyncio.Protocol):
-    def __init__(self) -> None:
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.waiter: asyncio.Future[tuple[UpstreamResponse, bool]] | None = None
+        self.exchange: _Exchange | None = None
+        self.reused = False
         self.lost = False
         self.got_data = False
         self._reason = b""
@@ -60,18 +91,32 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.pool._conns.add(self)
 
     def data_received(self, data: bytes) -> None:
         self.got_data = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self.fail(UpstreamError(f"the upstream sent a malformed response: {exc}"))
             self.close()
+            self.fail(UpstreamError(f"the upstream sent a malformed response: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self.fail(ConnectionResetError("the upstream closed the connection"))
+        self.pool._conns.discard(self)
+        ex = self.exchange
+        if ex is None:
+            return
+        if self.reused and not self.got_data and not ex.retried:
+            # An idle keep-alive connection the upstream had closed: once more, on another connection.
+            self.exchange = None
+            self.pool._release(self, None)
+            if ex.timer is not None:
+                ex.timer.cancel()
+            ex.retried = True
+            self.pool._dispatch(ex)
+            return
+        self.fail(UpstreamError("unreachable: the upstream closed the connection"))
 
     # -- httptools callbacks ----------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -89,15 +134,38 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         resp = UpstreamResponse(self.parser.get_status_code(), self._reason, self._headers, body)
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result((resp, self.parser.should_keep_alive()))
+        if not self.parser.should_keep_alive():
+            self.close()
+        self._finish(resp, None)
 
     # -- pool side --------------------------------------------------------------------------------
-    def fail(self, exc: Exception) -> None:
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
+    def start(self, ex: _Exchange, reused: bool) -> None:
+        self.exchange, self.reused, self.got_data = ex, reused, False
+        assert self.transport is not None
+        if ex.body and len(ex.body) <= COALESCE_BYTES:
+            self.transport.write(ex.head + ex.body)  # one send, one segment for Triton to read
+        else:
+            self.transport.write(ex.head)
+            if ex.body:
+                self.transport.write(ex.body)
+        ex.timer = self.pool.loop.call_later(ex.timeout_s, self.timed_out)
+
+    def timed_out(self) -> None:
+        self.close()
+        self.fail(UpstreamTimeout("timeout"))
+
+    def fail(self, exc: BaseException) -> None:
+        self.close()
+        self._finish(None, exc)
+
+    def _finish(self, resp: UpstreamResponse | None, exc: BaseException | None) -> None:
+        ex, self.exchange = self.exchange, None
+        if ex is None:
+            return
+        if ex.timer is not None:
+            ex.timer.cancel()
+        self.pool._release(self, ex)
+        _deliver(ex, resp, exc)
 
     def close(self) -> None:
         self.lost = True
@@ -106,87 +174,119 @@ class _Connection(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Up to `limit` keep-alive connections to host:port (or a unix socket); requests wait for a free one."""
+    """Up to `limit` keep-alive connections to host:port (or a unix socket); requests beyond wait in order."""
 
     def __init__(self, host: str, port: int, *, limit: int = 256, timeout_s: float = 60.0,
                  unix_path: str | None = None) -> None:  # fmt: skip
         self.host, self.port, self.unix_path = host, port, unix_path
         self.host_header = b"localhost" if unix_path else f"{host}:{port}".encode()
         self.timeout_s = timeout_s
+        self.limit = limit
         self._idle: list[_Connection] = []
-        self._slots = asyncio.Semaphore(limit)
+        self._conns: set[_Connection] = set()  # every open connection, to abort at close()
+        self._open = 0  # connections busy or being opened
+        self._waiting: collections.deque[_Exchange] = collections.deque()
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def _connect(self) -> _Connection:
-        loop = asyncio.get_running_loop()
-        try:
-            if self.unix_path is not None:
-                _, conn = await loop.create_unix_connection(_Connection, self.unix_path)
-            else:
-                _, conn = await loop.create_connection(_Connection, self.host, self.port)
-        except OSError as exc:
-            raise UpstreamError(f"unreachable: {exc.__class__.__name__}: {exc.strerror or exc}") from exc
-        return conn
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
 
-    async def request(self, method: bytes, target: bytes, headers: Headers, body: bytes | None,
-                      timeout_s: float | None = None) -> UpstreamResponse:  # fmt: skip
-        """Send one request; `headers` must not hold Host, Content-Length or hop-by-hop headers."""
-        if self._closed:
-            raise UpstreamError("the sidecar is shutting down")
+    def send(self, method: bytes, target: bytes, headers: Headers, body: bytes | None, done: Done,
+             timeout_s: float | None = None) -> None:  # fmt: skip
+        """Send one request; `done(response, None)` or `done(None, UpstreamError)` is called once, later.
+
+        `headers` must not hold Host, Content-Length or hop-by-hop headers.
+        """
         parts = [method, b" ", target, b" HTTP/1.1\r\nHost: ", self.host_header, b"\r\n"]
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
         if body is not None or method in (b"POST", b"PUT", b"PATCH"):
             parts += (b"Content-Length: ", str(len(body or b"")).encode(), b"\r\n")
         parts.append(b"\r\n")
-        head = b"".join(parts)
-        loop = asyncio.get_running_loop()
-        async with self._slots:
-            for attempt in (0, 1):
-                conn = None
-                while self._idle:
-                    conn = self._idle.pop()
-                    if not conn.lost:
-                        break
-                    conn = None
-                reused = conn is not None
-                if conn is None:
-                    conn = await self._connect()
-                waiter: asyncio.Future[tuple[UpstreamResponse, bool]] = loop.create_future()
-                conn.waiter, conn.got_data = waiter, False
-                assert conn.transport is not None
-                if body and len(body) <= COALESCE_BYTES:
-                    conn.transport.write(head + body)  # one send, one segment for Triton to read
-                else:
-                    conn.transport.write(head)
-                    if body:
-                        conn.transport.write(body)
-                timer = loop.call_later(timeout_s or self.timeout_s, conn.fail, UpstreamTimeout("timeout"))
-                try:
-                    resp, keep_alive = await waiter
-                except UpstreamTimeout:
-                    conn.close()
-                    raise
-                except ConnectionResetError as exc:
-                    conn.close()
-                    if reused and not conn.got_data and attempt == 0:
-                        continue  # an idle connection the upstream had closed: once more, on a new one
-                    raise UpstreamError(f"unreachable: {exc}") from exc
-                except BaseException:  # cancelled, or a malformed response: the connection is not reusable
-                    conn.close()
-                    raise
-                finally:
-                    timer.cancel()
-                if keep_alive and not conn.lost and not self._closed:
-                    self._idle.append(conn)
-                else:
-                    conn.close()
-                return resp
-        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+        self._dispatch(_Exchange(b"".join(parts), body, done, timeout_s or self.timeout_s))
+
+    async def request(self, method: bytes, target: bytes, headers: Headers, body: bytes | None,
+                      timeout_s: float | None = None) -> UpstreamResponse:  # fmt: skip
+        """`send()` as a coroutine: the response, or UpstreamTimeout / UpstreamError raised."""
+        fut: asyncio.Future[UpstreamResponse] = self.loop.create_future()
+
+        def done(resp: UpstreamResponse | None, exc: BaseException | None) -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(resp)  # type: ignore[arg-type]
+
+        self.send(method, target, headers, body, done, timeout_s)
+        return await fut
+
+    def _dispatch(self, ex: _Exchange) -> None:
+        if self._closed:
+            self._fail_later(ex, UpstreamError("the sidecar is shutting down"))
+            return
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.lost:
+                self._open += 1
+                conn.start(ex, reused=True)
+                return
+        if self._open >= self.limit:
+            self._waiting.append(ex)
+            return
+        self._open += 1
+        self.loop.create_task(self._connect_and_start(ex))
+
+    async def _connect_and_start(self, ex: _Exchange) -> None:
+        try:
+            if self.unix_path is not None:
+                _, conn = await self.loop.create_unix_connection(lambda: _Connection(self), self.unix_path)
+            else:
+                _, conn = await self.loop.create_connection(lambda: _Connection(self), self.host, self.port)
+        except OSError as exc:
+            self._open -= 1
+            self._next_waiting()
+            _deliver(ex, None, UpstreamError(f"unreachable: {exc.__class__.__name__}: {exc.strerror or exc}"))
+            return
+        if self._closed:
+            conn.close()
+            self._open -= 1
+            _deliver(ex, None, UpstreamError("the sidecar is shutting down"))
+            return
+        conn.start(ex, reused=False)
+
+    def _release(self, conn: _Connection, ex: _Exchange | None) -> None:
+        """`conn` finished its exchange: reuse it for the next waiting request, keep it idle, or drop it."""
+        self._open -= 1
+        if self._closed:
+            conn.close()
+            return
+        if not conn.lost:
+            if self._waiting:
+                self._open += 1
+                conn.start(self._waiting.popleft(), reused=True)
+                return
+            self._idle.append(conn)
+            return
+        self._next_waiting()
+
+    def _next_waiting(self) -> None:
+        if self._waiting and self._open < self.limit:
+            self._dispatch(self._waiting.popleft())
+
+    def _fail_later(self, ex: _Exchange, exc: BaseException) -> None:
+        self.loop.call_soon(_deliver, ex, None, exc)
 
     def close(self) -> None:
+        """Abort every connection; requests in flight or waiting fail with UpstreamError."""
         self._closed = True
-        for conn in self._idle:
+        for conn in list(self._conns):
             with contextlib.suppress(Exception):
                 conn.close()
         self._idle.clear()
+        while self._waiting:
+            self._fail_later(self._waiting.popleft(), UpstreamError("the sidecar is shutting down"))
