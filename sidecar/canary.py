@@ -146,7 +146,7 @@ class CanaryManager:
         p = canary.params
         if not self.sample(p.sample_rate):
             return
-        self.metrics.mirror_sampled.labels(model, "candidate").inc()
+        self.metrics.inc(self.metrics.mirror_sampled, model, "candidate")
         fwd = [(k, v) for k, v in headers if k.lower() in FORWARD_MIRROR_HEADERS]
         aa = p.aa_rate > 0 and self._random.random() < p.aa_rate
         if not canary.tasks.offer(self._mirror(canary, body, fwd, primary, primary_s, request_id, aa)):
@@ -199,7 +199,7 @@ class CanaryManager:
             ev.add_exemplar({"request_id": request_id, "kind": "out_of_tolerance", "reasons": list(cmp.reasons)})
         self._dirty = True
         if aa:
-            self.metrics.mirror_sampled.labels(m, "aa").inc()
+            self.metrics.inc(self.metrics.mirror_sampled, m, "aa")
             got = await self._replay(canary, f"/v2/models/{m}/versions/{canary.baseline}/infer",
                                      canary.baseline, "aa", body, headers)  # fmt: skip
             if isinstance(got, str) or got[0].status != 200:
@@ -223,9 +223,9 @@ class CanaryManager:
 
     def _count(self, canary: Canary, cmp: Comparison, role: str) -> None:
         for out, ok in cmp.outputs.items():
-            self.metrics.comparisons.labels(canary.model, out, role).inc()
+            self.metrics.inc(self.metrics.comparisons, canary.model, out, role)
             if not ok:
-                self.metrics.out_of_tolerance.labels(canary.model, out, role).inc()
+                self.metrics.inc(self.metrics.out_of_tolerance, canary.model, out, role)
 
     # -- admin ---------------------------------------------------------------------------------
     async def start(self, model: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self._children: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
+        self._counters: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "tunegate_requests", "Inference requests by model, version, role and HTTP status code.",
             ["model", "version", "role", "code"], registry=registry,
@@ -106,6 +107,14 @@ class SidecarMetrics:
         children[0].inc()
         if seconds is not None:
             children[1].observe(seconds)
+
+    def inc(self, counter: Counter, *labels: str) -> None:
+        """`counter.labels(*labels).inc()` with the child cached: the mirror path counts per request."""
+        key = (id(counter), labels)
+        child = self._counters.get(key)
+        if child is None:
+            child = self._counters[key] = counter.labels(*labels)
+        child.inc()
 
     def init_model(self, model: str, outputs: tuple[str, ...] = ()) -> None:
         """Pre-initialise label values so dashboards show zeros, not gaps, before the first event."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import zlib
 from collections.abc import Coroutine, Mapping
 from typing import Any
@@ -77,10 +78,37 @@ def _plain_body(resp: UpstreamResponse) -> bytes:
     return resp.body
 
 
+# A JSON header that starts with only simple string members (no escapes) before "outputs", as Triton
+# writes it: {"id":"...","model_name":"...","model_version":"...","outputs":[...
+_SIMPLE_HEAD = re.compile(rb'\{(?:"(?:id|model_name|model_version)":"[^"\\]*",)*')
+_OUTPUTS_KEY = b'"outputs":'
+
+
+def _same_from_outputs(plain: bytes, hl: int | None, other: bytes, other_hl: int | None) -> bool:
+    """Byte check: both bodies are a simple head followed by the very same bytes from the "outputs" key on.
+
+    The heads hold only complete string members, so parsing is at the same point when "outputs" starts,
+    and everything after it (the outputs, later members, the binary tail) is the same bytes: both
+    decode to the same tensors, and one is valid JSON exactly when the other is.
+    """
+    i, j = plain.find(_OUTPUTS_KEY), other.find(_OUTPUTS_KEY)
+    if i < 0 or j < 0 or (hl is None) != (other_hl is None) or (hl is not None and hl - i != other_hl - j):  # type: ignore[operator]
+        return False
+    return (
+        _SIMPLE_HEAD.fullmatch(plain, 0, i) is not None
+        and _SIMPLE_HEAD.fullmatch(other, 0, j) is not None
+        and plain[i:] == other[j:]
+    )
+
+
 def _identical_outputs(header: Mapping[str, Any], plain: bytes, hl: int | None, other: UpstreamResponse) -> bool:
-    """Would the other response decode to exactly the primary's outputs? Decided on the parsed JSON and raw tail."""
+    """Would the other response decode to exactly the primary's outputs? Decided on raw bytes where the heads
+    are as Triton writes them, else on the parsed JSON (type for type) and the binary tail."""
     try:
-        other_header, other_tail = codec.split_body(_plain_body(other), header_length(other))
+        other_plain, other_hl = _plain_body(other), header_length(other)
+        if _same_from_outputs(plain, hl, other_plain, other_hl):
+            return True
+        other_header, other_tail = codec.split_body(other_plain, other_hl)
     except (codec.CodecError, zlib.error):
         return False
     tail = plain[hl:] if hl is not None else b""

@@ -22,8 +22,13 @@ from tunegate.tolerance import ToleranceSpec, identical_passes
 DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT32": np.int32, "BOOL": np.bool_}
 
 
-def answer(outputs: dict[str, np.ndarray], *, binary: bool, version: str = "1") -> UpstreamResponse:
+def answer(outputs: dict[str, np.ndarray], *, binary: bool, version: str = "1", extra: dict | None = None) -> UpstreamResponse:
+    """As Triton writes it ({"model_name":..,"model_version":..,"outputs":..}); `extra` members go first."""
     body, hl = codec.encode_response(outputs, model_name="m", model_version=version, binary=binary)
+    if extra:
+        js = json.loads(body[:hl] if hl is not None else body)
+        head = json.dumps({**extra, **js}, separators=(",", ":")).encode()
+        body, hl = head + (body[hl:] if hl is not None else b""), (len(head) if hl is not None else None)
     headers = [(b"Content-Type", b"application/json")]
     if hl is not None:
         headers.append((b"Inference-Header-Content-Length", str(hl).encode()))
@@ -42,9 +47,16 @@ def spec_for(metric: str, threshold: float, statistic: str = "max") -> Tolerance
 
 
 @pytest.mark.parametrize("binary", [False, True])
-def test_identical_outputs_skip_decoding_and_metrics(binary: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("head", ["triton", "other"])
+def test_identical_outputs_skip_decoding_and_metrics(binary: bool, head: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's own head is checked on raw bytes; any other head (here a "parameters" member first, with an
+    escaped quote) through the parsed JSON. Either way the candidate is not decoded and no metric computed."""
     out = {"y": np.linspace(-3, 3, 32, dtype=np.float32).reshape(2, 16), "k": np.arange(6, dtype=np.int32)}
-    primary, cand = answer(out, binary=binary), answer(out, binary=binary, version="2")
+    extra = {"parameters": {"note": 'a "quoted" word'}} if head == "other" else None
+    primary = answer(out, binary=binary, extra=extra)
+    cand = answer(out, binary=binary, version="2", extra=extra)
+    assert mirror._same_from_outputs(primary.body, mirror.header_length(primary), cand.body,
+                                     mirror.header_length(cand)) is (head == "triton")  # fmt: skip
 
     def no_compare(*_a: object, **_k: object) -> None:
         raise AssertionError("the fast path must not compute metrics for identical outputs")
