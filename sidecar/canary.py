@@ -116,6 +116,7 @@ class CanaryManager:
         self.canaries: dict[str, Canary] = {}
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._random = random.Random()  # sampling only; decisions never depend on it
+        self._cand_first = False  # shadow latency pairing alternates which copy is sent first
         self._dirty = False
         # Client requests now at Triton, per (model, version the sidecar routed them to): a promotion
         # unloads the baseline only once none of its requests are left.
@@ -173,8 +174,18 @@ class CanaryManager:
     async def _mirror(self, canary: Canary, body: bytes, headers: Headers, primary: UpstreamResponse,
                       primary_s: float, request_id: str, aa: bool) -> None:  # fmt: skip
         ev, m = canary.evidence, canary.model
-        got = await self._replay(canary, f"/v2/models/{shadow_name(m)}/versions/{canary.candidate}/infer",
-                                 canary.candidate, "candidate", body, headers)  # fmt: skip
+        cand_path = f"/v2/models/{shadow_name(m)}/versions/{canary.candidate}/infer"
+        base_path = f"/v2/models/{m}/versions/{canary.baseline}/infer"
+        base: tuple[UpstreamResponse, float] | str | None = None
+        if canary.params.latency_pairing == "shadow":
+            # Both copies leave together, in alternating order, and meet the same load: a fair latency pair.
+            self.metrics.inc(self.metrics.mirror_sampled, m, "aa")
+            self._cand_first = not self._cand_first
+            calls = [self._replay(canary, cand_path, canary.candidate, "candidate", body, headers),
+                     self._replay(canary, base_path, canary.baseline, "aa", body, headers)]  # fmt: skip
+            got, base = await asyncio.gather(*calls) if self._cand_first else (await asyncio.gather(*calls[::-1]))[::-1]
+        else:
+            got = await self._replay(canary, cand_path, canary.candidate, "candidate", body, headers)
         if isinstance(got, str) or got[0].status != 200:
             ev.sent += 1
             if got == "timeout":
@@ -189,22 +200,25 @@ class CanaryManager:
         cmp = await self._compare(primary, cand, canary.tolerance)
         if not cmp.reference_ok:
             return
+        base_ok = isinstance(base, tuple) and base[0].status == 200  # the baseline's failures are not evidence
         ev.sent += 1
         ev.compared += 1
         if ev.compared > canary.params.warmup_samples:
-            ev.add_pair(primary_s, cand_s)
+            if base is None:
+                ev.add_pair(primary_s, cand_s)
+            elif base_ok:
+                ev.add_pair(base[1], cand_s)  # type: ignore[index]
         self._count(canary, cmp, "candidate")
         if not cmp.passed:
             ev.out_of_tolerance += 1
             ev.add_exemplar({"request_id": request_id, "kind": "out_of_tolerance", "reasons": list(cmp.reasons)})
         self._dirty = True
-        if aa:
+        if base is None and aa:
             self.metrics.inc(self.metrics.mirror_sampled, m, "aa")
-            got = await self._replay(canary, f"/v2/models/{m}/versions/{canary.baseline}/infer",
-                                     canary.baseline, "aa", body, headers)  # fmt: skip
-            if isinstance(got, str) or got[0].status != 200:
-                return  # the baseline's own failures are not evidence about the candidate
-            cmp = await self._compare(primary, got[0], canary.tolerance)
+            base = await self._replay(canary, base_path, canary.baseline, "aa", body, headers)
+            base_ok = isinstance(base, tuple) and base[0].status == 200
+        if base_ok:
+            cmp = await self._compare(primary, base[0], canary.tolerance)  # type: ignore[index]
             ev.aa_compared += 1
             ev.aa_out_of_tolerance += 0 if cmp.passed else 1
             self._count(canary, cmp, "aa")

@@ -17,6 +17,9 @@ from urllib.parse import urlparse
 from sidecar.judge import JudgeParams
 
 
+LATENCY_PAIRINGS = ("primary", "shadow")
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key."""
 
@@ -47,6 +50,11 @@ class CanaryParams:
     error_budget: float = 0.01
     confidence: float = 0.99
     warmup_samples: int = 20  # first candidate responses: outputs compared, latency not used (cold model)
+    # What the candidate's latency is paired with: "primary", the client's own request (no extra load;
+    # sound while Triton has headroom), or "shadow", a replay to the baseline sent at the same moment
+    # as the candidate's copy (one more baseline inference per sample; sound under saturation, where
+    # the candidate's copy competes with the next client request; every sample is then also an A/A one).
+    latency_pairing: str = "primary"
 
     def __post_init__(self) -> None:
         _fraction("sample_rate", self.sample_rate, open_low=True)
@@ -59,6 +67,8 @@ class CanaryParams:
             raise ConfigError(f"latency_slack must be within [0, 10), got {self.latency_slack!r}")
         if not isinstance(self.confidence, float) or not 0.5 < self.confidence < 1.0:
             raise ConfigError(f"confidence must be within (0.5, 1), got {self.confidence!r}")
+        if self.latency_pairing not in LATENCY_PAIRINGS:
+            raise ConfigError(f"latency_pairing must be one of {', '.join(LATENCY_PAIRINGS)}, got {self.latency_pairing!r}")
         for name in ("max_in_flight", "min_samples", "warmup_samples"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "warmup_samples" else 1):

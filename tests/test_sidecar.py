@@ -40,6 +40,8 @@ MODELS = {
     "promofail": {2: {}},
     "plain": {2: {}},
     "bigswap": {2: {"load_s": 2.0}},  # a big engine: slow to load, and its baseline slow to unload
+    "pairgood": {2: {"noise": 1e-5}},  # judged with shadow latency pairing under saturation
+    "pairslow": {2: {"delay_ms": 20}},
 }
 BASELINES = {"bigswap": {"delay_ms": 5, "unload_s": 2.0}}
 
@@ -189,6 +191,24 @@ async def test_promotion_under_load_loses_no_client_request(sidecar: Sidecar, cl
     codes = seen["codes"] + after["codes"]
     assert len(after["codes"]) > 10 and set(codes) == {200}, {c: codes.count(c) for c in set(codes)}
     assert after["versions"] == {"2"}
+
+
+async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar, client: aiohttp.ClientSession) -> None:
+    """Saturated (8 clients on 2 cores), a candidate's copy sent after the client's answer competes with the next
+    client request and looks slower than it is. With shadow pairing its latency is paired with a baseline replay
+    sent at the same moment: a good candidate is promoted on tight latency terms, a slower one still pinned."""
+    tight = {"latency_pairing": "shadow", "latency_slack": 0.25, "min_samples": 150, "max_in_flight": 16}
+    assert (await start_canary(client, sidecar, "pairgood", **tight))[0] == 201
+    seen = await drive(client, sidecar.url, "pairgood", concurrency=8)
+    assert set(seen["codes"]) == {200}
+    [rec] = decisions(sidecar)
+    assert rec["outcome"] == "promote", (rec["reasons"], rec["evidence"])
+    ev = rec["evidence"]
+    assert ev["aa_compared"] >= 0.9 * ev["compared"]  # every sample is an A/A one too
+    assert (await start_canary(client, sidecar, "pairslow", **tight))[0] == 201
+    await drive(client, sidecar.url, "pairslow", concurrency=8)
+    rec = decisions(sidecar)[-1]
+    assert rec["model"] == "pairslow" and rec["outcome"] == "pin" and "slower" in rec["reasons"][0], rec["reasons"]
 
 
 async def test_wrong_candidate_is_pinned_with_exemplars(sidecar: Sidecar, client: aiohttp.ClientSession,
