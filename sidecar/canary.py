@@ -16,6 +16,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,9 @@ from sidecar.config import CanaryParams, ConfigError, SidecarConfig
 from sidecar.control import SHADOW_SUFFIX, ControlError, PromotionError, TritonControl, shadow_name
 from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, judge
 from sidecar.metrics import SidecarMetrics
-from sidecar.mirror import BoundedTasks, Comparison, compare_responses
+from sidecar.mirror import Comparison, MirrorSlots, compare_responses
 from sidecar.state import EvidenceCounter, StateStore
-from sidecar.upstream import Headers, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from sidecar.upstream import Headers, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from tunegate.tolerance import ToleranceError, ToleranceSpec
 
 LOG = logging.getLogger(__name__)
@@ -57,10 +58,10 @@ class Canary:
     evidence: EvidenceCounter = dataclasses.field(default_factory=EvidenceCounter)
     judgement: dict[str, Any] | None = None
     pending: dict[str, Any] | None = None
-    tasks: BoundedTasks = dataclasses.field(default_factory=lambda: BoundedTasks(1))
+    slots: MirrorSlots = dataclasses.field(default_factory=lambda: MirrorSlots(1))
 
     def __post_init__(self) -> None:
-        self.tasks = BoundedTasks(self.params.max_in_flight)
+        self.slots = MirrorSlots(self.params.max_in_flight)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,7 +95,7 @@ class Canary:
         ev["latency_pairs"] = len(ev.pop("primary_s"))
         ev.pop("candidate_s")
         d["evidence"] = ev
-        d["in_flight"] = len(self.tasks)
+        d["in_flight"] = len(self.slots)
         return d
 
 
@@ -150,90 +151,23 @@ class CanaryManager:
         self.metrics.inc(self.metrics.mirror_sampled, model, "candidate")
         fwd = [(k, v) for k, v in headers if k.lower() in FORWARD_MIRROR_HEADERS]
         aa = p.aa_rate > 0 and self._random.random() < p.aa_rate
-        if not canary.tasks.offer(self._mirror(canary, body, fwd, primary, primary_s, request_id, aa)):
-            self.metrics.mirror_dropped.labels(model, "candidate", "full").inc()
+        if not canary.slots.acquire():
+            self.metrics.inc(self.metrics.mirror_dropped, model, "candidate", "full")
+            return
+        _MirrorJob(self, canary, body, fwd, primary, primary_s, request_id, aa).start()
 
-    async def _replay(self, canary: Canary, path: str, version: int, role: str,
-                      body: bytes, headers: Headers) -> tuple[UpstreamResponse, float] | str:  # fmt: skip
-        t0 = time.perf_counter()
-        try:
-            resp = await self.upstream.request(b"POST", path.encode(), headers, body, timeout_s=canary.params.timeout_s)
-        except UpstreamTimeout:
-            self.metrics.mirror_errors.labels(canary.model, str(version), role, "timeout").inc()
-            return "timeout"
-        except UpstreamError as exc:
+    def replayed(self, canary: Canary, version: int, role: str, resp: UpstreamResponse | None,
+                 exc: BaseException | None, seconds: float) -> tuple[UpstreamResponse, float] | str:  # fmt: skip
+        """Account for one mirror answer: the response and its latency, or "timeout" / "error"."""
+        if resp is None:
+            kind = "timeout" if isinstance(exc, UpstreamTimeout) else "error"
             LOG.debug("%s replay failed: %r", role, exc)
-            self.metrics.mirror_errors.labels(canary.model, str(version), role, "error").inc()
-            return "error"
-        dt = time.perf_counter() - t0
-        self.metrics.observe_request(canary.model, str(version), role, resp.status, dt)
+            self.metrics.inc(self.metrics.mirror_errors, canary.model, str(version), role, kind)
+            return kind
+        self.metrics.observe_request(canary.model, str(version), role, resp.status, seconds)
         if resp.status != 200:
-            self.metrics.mirror_errors.labels(canary.model, str(version), role, "error").inc()
-        return resp, dt
-
-    async def _mirror(self, canary: Canary, body: bytes, headers: Headers, primary: UpstreamResponse,
-                      primary_s: float, request_id: str, aa: bool) -> None:  # fmt: skip
-        ev, m = canary.evidence, canary.model
-        cand_path = f"/v2/models/{shadow_name(m)}/versions/{canary.candidate}/infer"
-        base_path = f"/v2/models/{m}/versions/{canary.baseline}/infer"
-        base: tuple[UpstreamResponse, float] | str | None = None
-        if canary.params.latency_pairing == "shadow":
-            # Both copies leave together, in alternating order, and meet the same load: a fair latency pair.
-            self.metrics.inc(self.metrics.mirror_sampled, m, "aa")
-            self._cand_first = not self._cand_first
-            calls = [self._replay(canary, cand_path, canary.candidate, "candidate", body, headers),
-                     self._replay(canary, base_path, canary.baseline, "aa", body, headers)]  # fmt: skip
-            got, base = await asyncio.gather(*calls) if self._cand_first else (await asyncio.gather(*calls[::-1]))[::-1]
-        else:
-            got = await self._replay(canary, cand_path, canary.candidate, "candidate", body, headers)
-        if isinstance(got, str) or got[0].status != 200:
-            ev.sent += 1
-            if got == "timeout":
-                ev.timeouts += 1
-            else:
-                ev.errors += 1
-                detail = got if isinstance(got, str) else got[0].body[:300].decode(errors="replace")
-                ev.add_exemplar({"request_id": request_id, "kind": "candidate_error", "detail": detail})
-            self._dirty = True
-            return
-        cand, cand_s = got
-        cmp = await self._compare(primary, cand, canary.tolerance)
-        if not cmp.reference_ok:
-            return
-        base_ok = isinstance(base, tuple) and base[0].status == 200  # the baseline's failures are not evidence
-        ev.sent += 1
-        ev.compared += 1
-        if ev.compared > canary.params.warmup_samples:
-            if base is None:
-                ev.add_pair(primary_s, cand_s)
-            elif base_ok:
-                ev.add_pair(base[1], cand_s)  # type: ignore[index]
-        self._count(canary, cmp, "candidate")
-        if not cmp.passed:
-            ev.out_of_tolerance += 1
-            ev.add_exemplar({"request_id": request_id, "kind": "out_of_tolerance", "reasons": list(cmp.reasons)})
-        self._dirty = True
-        if base is None and aa:
-            self.metrics.inc(self.metrics.mirror_sampled, m, "aa")
-            base = await self._replay(canary, base_path, canary.baseline, "aa", body, headers)
-            base_ok = isinstance(base, tuple) and base[0].status == 200
-        if base_ok:
-            cmp = await self._compare(primary, base[0], canary.tolerance)  # type: ignore[index]
-            ev.aa_compared += 1
-            ev.aa_out_of_tolerance += 0 if cmp.passed else 1
-            self._count(canary, cmp, "aa")
-            self.metrics.noise_floor_rate.labels(m).set(ev.aa_out_of_tolerance / ev.aa_compared)
-
-    @staticmethod
-    async def _compare(primary: UpstreamResponse, other: UpstreamResponse, spec: ToleranceSpec) -> Comparison:
-        """Decode and compare off the event loop; small responses inline, where a thread handoff costs more.
-
-        Under INLINE_COMPARE_BYTES the work is tens of microseconds, less than handing it to a thread and
-        contending for the GIL, which also delayed the next response the loop had to read.
-        """
-        if len(primary.body) + len(other.body) <= INLINE_COMPARE_BYTES:
-            return compare_responses(primary, other, spec)
-        return await asyncio.get_running_loop().run_in_executor(None, compare_responses, primary, other, spec)
+            self.metrics.inc(self.metrics.mirror_errors, canary.model, str(version), role, "error")
+        return resp, seconds
 
     def _count(self, canary: Canary, cmp: Comparison, role: str) -> None:
         for out, ok in cmp.outputs.items():
@@ -368,7 +302,7 @@ class CanaryManager:
     async def _complete(self, canary: Canary) -> None:
         """Act on a pending decision (idempotent), append its record once, clear the canary."""
         model, rec = canary.model, dict(canary.pending or {})
-        await canary.tasks.drain()
+        await canary.slots.drain()
         existing = await asyncio.to_thread(self.store.decision_for, canary.id)
         if existing is not None:
             rec = existing
@@ -454,7 +388,7 @@ class CanaryManager:
 
     async def close(self) -> None:
         for canary in self.canaries.values():
-            n = await canary.tasks.drain(timeout_s=1.0)
+            n = await canary.slots.drain(timeout_s=1.0)
             if n:
                 self.metrics.mirror_dropped.labels(canary.model, "candidate", "shutdown").inc(n)
         if self._dirty:
@@ -478,6 +412,176 @@ class CanaryManager:
         self.metrics.canary_deadline.labels(model).set(canary.deadline if canary else 0)
         if canary:
             self.metrics.oot_budget.labels(model).set(canary.params.oot_budget)
+
+
+class _MirrorJob:
+    """One sampled request's mirror as a chain of pool callbacks (no task): send, compare, record, release.
+
+    The candidate's copy goes out first (with `latency_pairing="shadow"`, together with a baseline replay,
+    in alternating order). Comparisons of small responses run inline, larger ones in the executor. A
+    canary decided meanwhile (slots closed) takes nothing more. Whatever happens, the slot is released
+    once: an exception in a step is logged and ends the job, it never leaks the slot or reaches the client.
+    """
+
+    __slots__ = (
+        "aa",
+        "base",
+        "body",
+        "canary",
+        "cand",
+        "done",
+        "headers",
+        "mgr",
+        "primary",
+        "primary_s",
+        "request_id",
+        "waiting",
+    )  # fmt: skip
+
+    def __init__(self, mgr: CanaryManager, canary: Canary, body: bytes, headers: Headers, primary: UpstreamResponse,
+                 primary_s: float, request_id: str, aa: bool) -> None:  # fmt: skip
+        self.mgr, self.canary, self.body, self.headers = mgr, canary, body, headers
+        self.primary, self.primary_s, self.request_id, self.aa = primary, primary_s, request_id, aa
+        self.cand: tuple[UpstreamResponse, float] | str | None = None
+        self.base: tuple[UpstreamResponse, float] | str | None = None
+        self.waiting = 0
+        self.done = False
+
+    # -- steps ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        c = self.canary
+        if c.params.latency_pairing == "shadow":
+            # Both copies leave together, in alternating order, and meet the same load: a fair latency pair.
+            self.mgr.metrics.inc(self.mgr.metrics.mirror_sampled, c.model, "aa")
+            self.waiting = 2
+            self.mgr._cand_first = not self.mgr._cand_first
+            if self.mgr._cand_first:
+                self._send("candidate", self._paired)
+                self._send("aa", self._paired)
+            else:
+                self._send("aa", self._paired)
+                self._send("candidate", self._paired)
+        else:
+            self.waiting = 1
+            self._send("candidate", self._paired)
+
+    def _send(self, role: str, then: Callable[[str, UpstreamResponse | None, BaseException | None, float], None]) -> None:
+        c = self.canary
+        if role == "candidate":
+            path = f"/v2/models/{shadow_name(c.model)}/versions/{c.candidate}/infer"
+        else:
+            path = f"/v2/models/{c.model}/versions/{c.baseline}/infer"
+        t0 = time.perf_counter()
+
+        def answered(resp: UpstreamResponse | None, exc: BaseException | None) -> None:
+            self._step(then, role, resp, exc, time.perf_counter() - t0)
+
+        self.mgr.upstream.send(b"POST", path.encode(), self.headers, self.body, answered, c.params.timeout_s)
+
+    def _paired(self, role: str, resp: UpstreamResponse | None, exc: BaseException | None, seconds: float) -> None:
+        c = self.canary
+        version = c.candidate if role == "candidate" else c.baseline
+        got = self.mgr.replayed(c, version, role, resp, exc, seconds)
+        if role == "candidate":
+            self.cand = got
+        else:
+            self.base = got
+        self.waiting -= 1
+        if self.waiting:
+            return
+        if self._closed():
+            return
+        cand, ev = self.cand, c.evidence
+        if isinstance(cand, str) or cand is None or cand[0].status != 200:
+            ev.sent += 1
+            if cand == "timeout":
+                ev.timeouts += 1
+            else:
+                ev.errors += 1
+                detail = cand if isinstance(cand, str) else "no answer" if cand is None else cand[0].body[:300].decode(errors="replace")
+                ev.add_exemplar({"request_id": self.request_id, "kind": "candidate_error", "detail": detail})
+            self.mgr._dirty = True
+            self._finish()
+            return
+        self._compare(cand[0], self._candidate_compared)
+
+    def _candidate_compared(self, cmp: Comparison) -> None:
+        if self._closed():
+            return
+        c, ev = self.canary, self.canary.evidence
+        if not cmp.reference_ok:
+            self._finish()
+            return
+        assert isinstance(self.cand, tuple)
+        ev.sent += 1
+        ev.compared += 1
+        base = self.base
+        base_ok = isinstance(base, tuple) and base[0].status == 200  # the baseline's failures are not evidence
+        if ev.compared > c.params.warmup_samples:
+            if c.params.latency_pairing != "shadow":
+                ev.add_pair(self.primary_s, self.cand[1])
+            elif base_ok:
+                ev.add_pair(base[1], self.cand[1])  # type: ignore[index]
+        self.mgr._count(c, cmp, "candidate")
+        if not cmp.passed:
+            ev.out_of_tolerance += 1
+            ev.add_exemplar({"request_id": self.request_id, "kind": "out_of_tolerance", "reasons": list(cmp.reasons)})
+        self.mgr._dirty = True
+        if base_ok:
+            self._compare(base[0], self._aa_compared)  # type: ignore[index]
+        elif base is None and self.aa:  # primary pairing: a sampled A/A replay goes out after the candidate's
+            self.mgr.metrics.inc(self.mgr.metrics.mirror_sampled, c.model, "aa")
+            self._send("aa", self._aa_answered)
+        else:
+            self._finish()
+
+    def _aa_answered(self, role: str, resp: UpstreamResponse | None, exc: BaseException | None, seconds: float) -> None:
+        got = self.mgr.replayed(self.canary, self.canary.baseline, role, resp, exc, seconds)
+        if self._closed():
+            return
+        if isinstance(got, str) or got[0].status != 200:
+            self._finish()
+            return
+        self._compare(got[0], self._aa_compared)
+
+    def _aa_compared(self, cmp: Comparison) -> None:
+        if self._closed():
+            return
+        ev = self.canary.evidence
+        if cmp.reference_ok:
+            ev.aa_compared += 1
+            ev.aa_out_of_tolerance += 0 if cmp.passed else 1
+            self.mgr._count(self.canary, cmp, "aa")
+            self.mgr.metrics.noise_floor_rate.labels(self.canary.model).set(ev.aa_out_of_tolerance / ev.aa_compared)
+        self._finish()
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _compare(self, other: UpstreamResponse, then: Callable[[Comparison], None]) -> None:
+        """Small responses inline (a thread handoff would cost more than the work), larger ones in the executor."""
+        spec = self.canary.tolerance
+        if len(self.primary.body) + len(other.body) <= INLINE_COMPARE_BYTES:
+            then(compare_responses(self.primary, other, spec))
+            return
+        fut = asyncio.get_running_loop().run_in_executor(None, compare_responses, self.primary, other, spec)
+        fut.add_done_callback(lambda f: self._step(lambda: then(f.result())))
+
+    def _step(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a bug ends this job (and frees its slot); it never reaches the client path
+            LOG.exception("mirror step failed for %s", self.canary.model)
+            self._finish()
+
+    def _closed(self) -> bool:
+        if self.canary.slots.closed:
+            self._finish()
+            return True
+        return False
+
+    def _finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self.canary.slots.release()
 
 
 __all__ = ["INCONCLUSIVE", "PIN", "PROMOTE", "Canary", "CanaryError", "CanaryManager"]

@@ -16,7 +16,6 @@ from urllib.parse import urlparse
 
 from sidecar.judge import JudgeParams
 
-
 LATENCY_PAIRINGS = ("primary", "shadow")
 
 

@@ -1,7 +1,7 @@
 """The mirror path: bounded background replays of client requests to the candidate (and to the baseline for A/A).
 
-`BoundedTasks` is tracked, bounded work: a task set with a capacity; a job offered when it is full
-is dropped and counted, and `drain()` cancels and awaits what is left at shutdown. The comparison
+`MirrorSlots` bounds the mirrors in flight (full: drop and count); the mirror itself is a chain of
+pool callbacks (sidecar/canary.py `_MirrorJob`), no task per sampled request. The comparison
 (decoding, numpy) is `compare_responses`, a pure function over two upstream answers (raw header pairs
 and body bytes); the canary runs it inline for small responses and in an executor for large ones.
 """
@@ -9,11 +9,11 @@ and body bytes); the canary runs it inline for small responses and in an executo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import re
+import time
 import zlib
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from sidecar.upstream import UpstreamResponse, find_header
@@ -21,35 +21,37 @@ from tunegate import codec
 from tunegate.tolerance import ToleranceSpec, compare, identical_passes
 
 
-class BoundedTasks:
+class MirrorSlots:
+    """The mirror's bound: at most `capacity` sampled requests in flight; an offer beyond is dropped and counted.
+
+    `close()` ends the canary's mirroring: answers still on their way are ignored when they arrive
+    (a decided canary takes no more evidence), and release their slots.
+    """
+
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.in_flight = 0
+        self.closed = False
 
     def __len__(self) -> int:
-        return len(self._tasks)
+        return self.in_flight
 
-    def offer(self, coro: Coroutine[Any, Any, None]) -> bool:
-        """Start `coro` if there is room; otherwise close it unstarted and return False."""
-        if len(self._tasks) >= self.capacity:
-            coro.close()
+    def acquire(self) -> bool:
+        if self.closed or self.in_flight >= self.capacity:
             return False
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.in_flight += 1
         return True
 
+    def release(self) -> None:
+        self.in_flight -= 1
+
     async def drain(self, timeout_s: float = 0.0) -> int:
-        """Let running work finish for up to `timeout_s`, then cancel the rest; returns how many were cancelled."""
-        if timeout_s > 0 and self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
-        left = list(self._tasks)
-        for t in left:
-            t.cancel()
-        for t in left:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        return len(left)
+        """Wait up to `timeout_s` for the mirrors in flight, then close; returns how many were left behind."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.closed = True
+        return self.in_flight
 
 
 def header_length(resp: UpstreamResponse) -> int | None:

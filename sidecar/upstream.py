@@ -16,8 +16,8 @@ idle keep-alive connection) is retried once on a fresh one; every other failure 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import collections
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence

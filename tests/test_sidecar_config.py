@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.config import CanaryParams, ConfigError, load_config
-from sidecar.mirror import BoundedTasks
+from sidecar.mirror import MirrorSlots
 
 
 def test_toml_and_flags(tmp_path: Path) -> None:
@@ -66,23 +66,19 @@ def test_cli_exits_2_on_bad_config(tmp_path: Path) -> None:
     assert out.returncode == 2 and "is not a directory" in out.stderr
 
 
-async def test_bounded_tasks_drop_when_full_and_drain() -> None:
-    tasks = BoundedTasks(2)
-    gate = asyncio.Event()
-    done: list[int] = []
-
-    async def job(i: int) -> None:
-        await gate.wait()
-        done.append(i)
-
-    assert tasks.offer(job(1)) and tasks.offer(job(2))
-    assert not tasks.offer(job(3))  # full: dropped, never started
-    gate.set()
-    await asyncio.sleep(0.01)
-    assert sorted(done) == [1, 2] and len(tasks) == 0
-    gate.clear()
-    assert tasks.offer(job(4))
-    assert await tasks.drain(timeout_s=0.01) == 1 and len(tasks) == 0 and 4 not in done
+async def test_mirror_slots_drop_when_full_and_close_on_drain() -> None:
+    slots = MirrorSlots(2)
+    assert slots.acquire() and slots.acquire()
+    assert not slots.acquire()  # full: the offer is dropped
+    slots.release()
+    assert slots.acquire() and len(slots) == 2
+    slots.release()
+    asyncio.get_running_loop().call_later(0.05, slots.release)  # one mirror finishes while draining
+    assert await slots.drain(timeout_s=2) == 0 and slots.closed
+    assert not slots.acquire()  # a decided canary mirrors no more
+    slots2 = MirrorSlots(1)
+    assert slots2.acquire()
+    assert await slots2.drain(timeout_s=0.02) == 1  # left behind: its answer will be ignored
 
 
 async def test_unreachable_upstream_is_a_clear_502(tmp_path: Path) -> None:
