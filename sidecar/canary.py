@@ -527,22 +527,25 @@ class _MirrorJob:
             ev.out_of_tolerance += 1
             ev.add_exemplar({"request_id": self.request_id, "kind": "out_of_tolerance", "reasons": list(cmp.reasons)})
         self.mgr._dirty = True
-        if base_ok:
-            self._compare(base[0], self._aa_compared)  # type: ignore[index]
-        elif base is None and self.aa:  # primary pairing: a sampled A/A replay goes out after the candidate's
+        if base is None and self.aa:  # primary pairing: a sampled A/A replay goes out after the candidate's
             self.mgr.metrics.inc(self.mgr.metrics.mirror_sampled, c.model, "aa")
             self._send("aa", self._aa_answered)
         else:
-            self._finish()
+            self._compare_base()
 
     def _aa_answered(self, role: str, resp: UpstreamResponse | None, exc: BaseException | None, seconds: float) -> None:
-        got = self.mgr.replayed(self.canary, self.canary.baseline, role, resp, exc, seconds)
+        self.base = self.mgr.replayed(self.canary, self.canary.baseline, role, resp, exc, seconds)
+        self._compare_base()
+
+    def _compare_base(self) -> None:
+        """The baseline's replay against the primary (the noise floor), when there is a good one."""
         if self._closed():
             return
-        if isinstance(got, str) or got[0].status != 200:
+        base = self.base
+        if isinstance(base, tuple) and base[0].status == 200:
+            self._compare(base[0], self._aa_compared)
+        else:
             self._finish()
-            return
-        self._compare(got[0], self._aa_compared)
 
     def _aa_compared(self, cmp: Comparison) -> None:
         if self._closed():
