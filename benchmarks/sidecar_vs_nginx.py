@@ -7,7 +7,8 @@ concurrency, against a python-backend identity model FP32[16] on the embedded Tr
   nginx             wrk -> nginx (proxy_pass, upstream keepalive) -> Triton
   nginx+mirror      ... plus `mirror` + `mirror_request_body on` (100%) to an identical candidate
   sidecar           wrk -> tunegate sidecar (no canary) -> Triton
-  sidecar+mirror    ... with a canary mirroring 100% to an identical candidate
+  sidecar+mirror    ... with a canary mirroring 100% to an identical candidate (the compare's fast path)
+  sidecar+mirror~   ... to a candidate whose outputs differ within the tolerance (full decode + compare)
   nginx+slow        nginx mirroring 100% to a candidate 100 ms slower
   sidecar+slow      the sidecar mirroring (sample 100%, bounded) to a candidate 100 ms slower
 
@@ -51,13 +52,19 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def initialize(self, args):
         here = os.path.join(args["model_repository"], args["model_version"])
-        self.delay = json.load(open(os.path.join(here, "behaviour.json"))).get("delay_ms", 0) / 1000.0
+        behaviour = json.load(open(os.path.join(here, "behaviour.json")))
+        self.delay = behaviour.get("delay_ms", 0) / 1000.0
+        self.offset = behaviour.get("offset", 0.0)
 
     def execute(self, requests):
         if self.delay:
             time.sleep(self.delay)
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
-                for r in requests]
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "x").as_numpy()
+            y = (x + self.offset).astype(x.dtype) if self.offset else x
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", y)]))
+        return out
 '''
 BODY = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [16], "data": [float(i) for i in range(16)]}]})
 NGINX_CONF = """
@@ -96,17 +103,18 @@ http {{
 
 
 def build_repository(root: Path) -> Path:
-    def model(name: str, versions: dict[int, int]) -> None:
-        for v, delay in versions.items():
-            write_version(root, name, {"model.py": IDENTITY_PY, "behaviour.json": json.dumps({"delay_ms": delay})},
-                          version=v)  # fmt: skip
+    def model(name: str, versions: dict[int, dict[str, float]]) -> None:
+        for v, behaviour in versions.items():
+            write_version(root, name, {"model.py": IDENTITY_PY, "behaviour.json": json.dumps(behaviour)}, version=v)
         cfg = ModelConfig(name, (TensorSpec("x", "FP32", (16,)),), (TensorSpec("y", "FP32", (16,)),),
                           versions=(min(versions),))  # fmt: skip
         write_config(root, cfg)
 
-    model("ident", {1: 0, 2: 0, 3: 100})  # baseline, identical candidate, slow candidate (sidecar canaries)
-    model("nginx_cand", {1: 0})  # nginx's mirror targets (nginx has no notion of versions under canary)
-    model("nginx_slow", {1: 100})
+    # baseline; identical candidate; slow candidate; a candidate whose outputs differ within the tolerance
+    # (every comparison takes the full decode + compare path, none the identical-outputs fast path)
+    model("ident", {1: {}, 2: {}, 3: {"delay_ms": 100}, 4: {"offset": 5e-7}})
+    model("nginx_cand", {1: {}})  # nginx's mirror targets (nginx has no notion of versions under canary)
+    model("nginx_slow", {1: {"delay_ms": 100}})
     return root
 
 
@@ -269,6 +277,12 @@ def one_round(triton: EmbeddedTriton, work: Path, repo: Path, token: Path, rnd: 
             rec = admin.decisions("ident")[-1]
             st = {**rec["evidence"], "decided": rec["outcome"], "reasons": rec["reasons"]}
             console.print(f"[yellow]the judge decided during sidecar+mirror: {rec['outcome']}: {rec['reasons']}")
+        admin.start("ident", 4, tol, max_in_flight=64, latency_slack=9.0, **never)
+        measure("sidecar+mirror~", sc.url, pid)  # outputs differ (within tolerance): full comparisons
+        differ = admin.status("ident")
+        if differ["canary"] is not None:
+            st["full_compare"] = {k: differ["canary"]["evidence"][k] for k in ("compared", "out_of_tolerance")}
+            admin.pin("ident")
         admin.start("ident", 3, tol, **never)
         measure("sidecar+slow", sc.url, pid)
         # The judge fails a 100 ms slower candidate fast on latency: it may be pinned already.
@@ -307,9 +321,11 @@ def report(data: dict[str, Any]) -> None:
     for c in conc:
         ratio = res["sidecar"][c]["rps"] / res["nginx"][c]["rps"]
         mirrored = res["sidecar+mirror"][c]["rps"] / res["nginx+mirror"][c]["rps"]
+        differ = res["sidecar+mirror~"][c]["rps"] / res["nginx+mirror"][c]["rps"]
         lines.append(
             f"c={c}: passthrough {ratio:.2f}x nginx (target >= 0.8); mirrored {mirrored:.2f}x nginx+mirror "
-            f"(target >= 1.0); client p99 with a 100 ms slower candidate: sidecar "
+            f"(target >= 1.0; {differ:.2f}x when every comparison is a full one); client p99 with a 100 ms "
+            f"slower candidate: sidecar "
             f"{res['sidecar+slow'][c]['p99_ms']:.2f} ms (vs {res['sidecar+mirror'][c]['p99_ms']:.2f} mirrored, "
             f"{res['sidecar'][c]['p99_ms']:.2f} passthrough), nginx {res['nginx+slow'][c]['p99_ms']:.2f} ms"
         )
