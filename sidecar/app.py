@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import json
 import logging
@@ -154,6 +155,9 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
+GC_GEN0_THRESHOLD = 100_000  # default 700
+
+
 def build_app(config: SidecarConfig, registry: CollectorRegistry | None = None) -> web.Application:
     app = web.Application(client_max_size=config.max_body_bytes)
     app[CONFIG] = config
@@ -219,6 +223,11 @@ async def start(config: SidecarConfig, registry: CollectorRegistry | None = None
 async def serve(config: SidecarConfig, ready: Callable[[int], Any] | None = None) -> None:
     """Run until cancelled; `ready(port)` is called once listening (port 0 picks a free one)."""
     running = await start(config)
+    # Everything built so far lives as long as the process: keep it out of the collector's scans, and
+    # collect the young generation less often (the client path allocates per request, rarely in cycles).
+    # Measured: +7-18% passthrough throughput at c=16 on 2 cores, no change at c=1 or mirrored.
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, 50, 100)
     try:
         if ready is not None:
             ready(running.port)
