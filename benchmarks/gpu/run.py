@@ -313,7 +313,7 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
 
 
 def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, concurrency: int, work: Path,
-           out: Path, min_samples: int = 200, deadline_s: float = 120.0) -> dict[str, Any]:
+           out: Path, min_samples: int = 200, deadline_s: float = 120.0, pairing: str = "primary") -> dict[str, Any]:
     """The sidecar canary under load: Triton serves version 1, the sidecar mirrors to 2 and decides.
 
     Needs tritonclient's utils (tunegate.codec imports them); the device image has no tritonclient.
@@ -340,7 +340,7 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
                            token_file=token_file, log_path=out / f"{name}-sidecar.log") as sidecar:
         admin = AdminClient(sidecar.url, token)
         admin.start(name, 2, tolerance=tolerance.to_dict(), min_samples=min_samples, deadline_s=deadline_s,
-                    sample_rate=1.0)
+                    sample_rate=1.0, latency_pairing=pairing)
 
         def load() -> None:
             c = Client(sidecar.port)
@@ -375,14 +375,15 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
         "through": "tunegate sidecar (KServe v2 proxy) in front of the embedded Triton",
         "shape": shape.key, "concurrency": concurrency, "wall_s": time.perf_counter() - t0,
         "client_latency": stats(client_times, bootstrap=1000, rows=shape.batch) if client_times else None,
-        "client_errors": len(errors), "first_errors": errors[:3], "load_started_at": t0_wall,
+        "client_errors": len(errors), "first_errors": errors[:3], "load_started_at": t0_wall, "latency_pairing": pairing,
         "state": status.get("state"), "status": status, "decisions": decisions,
     }
 
 
 def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, repeats: int, requests: int,
               device: str = "cuda", routes: list[str] | None = None, min_speedup: float = 1.05,
-              autotune_parallel: bool = False, do_canary: bool = False, do_serve: bool = True) -> dict[str, Any]:
+              autotune_parallel: bool = False, do_canary: bool = False, do_serve: bool = True,
+              pairing: str = "primary") -> dict[str, Any]:
     t_model = time.monotonic()
     builder = InductorBuilder()
     model_work = work / name
@@ -433,7 +434,7 @@ def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, 
             write_versions(name, model_work / "repo", base, winner, builder)
         if do_canary:
             try:
-                result["canary"] = canary(name, model_work / "repo", inputs, tolerance, 4, model_work, out)
+                result["canary"] = canary(name, model_work / "repo", inputs, tolerance, 4, model_work, out, pairing=pairing)
             except Exception as exc:
                 LOG.exception("the canary failed")
                 result["canary"] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
@@ -469,7 +470,7 @@ def table(results: list[dict[str, Any]]) -> str:
         can = res.get("canary")
         if can and "error" not in can:
             lat = can["client_latency"] or {}
-            lines.append(f"sidecar canary: {can['state']} after {can['wall_s']:.0f}s, client p50 {lat.get('p50_ms', 0):.3f} "
+            lines.append(f"sidecar canary ({can.get('latency_pairing', 'primary')} latency pairing): {can['state']} after {can['wall_s']:.0f}s, client p50 {lat.get('p50_ms', 0):.3f} "
                          f"p95 {lat.get('p95_ms', 0):.3f} ms (n={lat.get('n', 0)}), {can['client_errors']} client errors")
             decided = ((can.get("status") or {}).get("last") or {}).get("at")
             if decided and can.get("load_started_at"):
@@ -492,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-autotune", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--canary", action="store_true", help="after serving: the sidecar canary of version 2 under load")
+    ap.add_argument("--canary-pairing", default="primary", choices=("primary", "shadow"),
+                    help="the canary's latency_pairing (shadow: the candidate's copy paired with a baseline replay)")
     ap.add_argument("--no-serve", action="store_true", help="skip the paired Triton measurement (versions are still written)")
     ap.add_argument("--autotune-parallel", action="store_true",
                     help="build autotuning routes alongside the others (faster; their GEMM timings share the GPU)")
@@ -512,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         routes = [r.strip() for r in args.routes.split(",") if r.strip()] or None
         results.append(run_model(name, args.out, args.work, float(budget or args.budget_s), args.parallel, args.repeats, args.requests,
                                  args.device, routes, args.min_speedup, args.autotune_parallel, args.canary,
-                                 not args.no_serve))
+                                 not args.no_serve, args.canary_pairing))
         atomic_write_text(args.out / "results.txt", table(results))
     print(table(results))
     return 0

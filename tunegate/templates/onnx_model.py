@@ -3,6 +3,15 @@
 Written by tunegate into each version directory. Session options come from `runtime.json` beside
 this file, so the route a version was built with is the route it serves with. It imports only
 numpy and onnxruntime (and Triton's utils), nothing from tunegate.
+
+Inputs cross the python-backend stub through DLPack, not as numpy arrays: the stub's pybind11
+(Triton 2.51) misreads numpy 2 arrays, which made every output come back empty on the H200 image
+(found with the pt2 template). Outputs go as numpy arrays where a round-trip probe at load shows the
+stub reads this numpy right; otherwise through torch's DLPack (a numpy array cannot be handed to
+`Tensor.from_dlpack`: the stub renames a consumed capsule "used_dlpack", not the spec's
+"used_dltensor", and numpy's capsule destructor then kills the stub); without torch the model then
+fails to load, with that reason, instead of serving empty outputs. BYTES tensors go as numpy.
+`python -m benchmarks.gpu.stub_interop` shows what a given image gets right.
 """
 
 import json
@@ -19,6 +28,41 @@ _LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+
+
+def to_numpy(tensor, is_bytes):
+    return tensor.as_numpy() if is_bytes else np.from_dlpack(tensor)
+
+
+def numpy_handoff_works():
+    """Does a numpy array handed to the stub come back as it went in? (Not with numpy 2 and Triton 2.51.)"""
+    want = np.arange(8, dtype=np.float32)
+    got = pb_utils.Tensor("probe", want).as_numpy()
+    return got.shape == want.shape and bool(np.array_equal(got, want))
+
+
+def torch_output_maker():
+    """Outputs through torch's DLPack, for stubs that misread numpy; a load error with the reason without torch."""
+    try:
+        import torch
+        from torch.utils.dlpack import to_dlpack
+    except ImportError as exc:
+        raise pb_utils.TritonModelException(
+            f"numpy {np.__version__} arrays handed to this Triton's python-backend stub come back wrong, and torch "
+            "(the DLPack way around it) is not installed: install torch beside the model, or numpy<2"
+        ) from exc
+
+    def make(name, array, is_bytes):
+        array = np.ascontiguousarray(array)
+        if is_bytes:
+            return pb_utils.Tensor(name, array)
+        return pb_utils.Tensor.from_dlpack(name, to_dlpack(torch.from_numpy(array)))
+
+    return make
+
+
+def numpy_output(name, array, is_bytes):
+    return pb_utils.Tensor(name, np.ascontiguousarray(array))
 
 
 def session_options(runtime):
@@ -46,9 +90,13 @@ class TritonPythonModel:
             sess_options=session_options(runtime),
             providers=runtime.get("providers", ["CPUExecutionProvider"]),
         )
+        self.to_triton = numpy_output if numpy_handoff_works() else torch_output_maker()
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.output_names = [o["name"] for o in self.config["output"]]
+        self.bytes_tensors = {
+            t["name"] for t in self.config.get("input", []) + self.config["output"] if t["data_type"] == "TYPE_STRING"
+        }
         # Test hook for deliberately slow candidates (see tests); 0 in every real version.
         self.delay_s = float(runtime.get("debug_delay_ms", 0)) / 1000.0
 
@@ -61,11 +109,11 @@ class TritonPythonModel:
                     t = pb_utils.get_input_tensor_by_name(request, name)
                     if t is None:
                         raise pb_utils.TritonModelException(f"missing input {name!r}")
-                    feeds[name] = t.as_numpy()
+                    feeds[name] = to_numpy(t, name in self.bytes_tensors)
                 outs = self.session.run(self.output_names, feeds)
                 if self.delay_s:
                     time.sleep(self.delay_s)
-                tensors = [pb_utils.Tensor(n, np.ascontiguousarray(o)) for n, o in zip(self.output_names, outs)]
+                tensors = [self.to_triton(n, o, n in self.bytes_tensors) for n, o in zip(self.output_names, outs)]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
             except Exception as exc:  # one bad request must not take the batch down
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
