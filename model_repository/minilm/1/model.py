@@ -4,13 +4,14 @@ Written by tunegate into each version directory. Session options come from `runt
 this file, so the route a version was built with is the route it serves with. It imports only
 numpy and onnxruntime (and Triton's utils), nothing from tunegate.
 
-Inputs cross the python-backend stub through DLPack, not as numpy arrays: the stub's pybind11
-(Triton 2.51) misreads numpy 2 arrays, which made every output come back empty on the H200 image
-(found with the pt2 template). Outputs go as numpy arrays where a round-trip probe at load shows the
-stub reads this numpy right; otherwise through torch's DLPack (a numpy array cannot be handed to
-`Tensor.from_dlpack`: the stub renames a consumed capsule "used_dlpack", not the spec's
-"used_dltensor", and numpy's capsule destructor then kills the stub); without torch the model then
-fails to load, with that reason, instead of serving empty outputs. BYTES tensors go as numpy.
+Inputs cross the python-backend stub through DLPack, not as numpy arrays. Outputs go as numpy arrays
+with numpy 1.x; with numpy 2 through torch's DLPack: the stub's pybind11 (Triton 2.51) misreads numpy 2
+arrays (on the H200 image, numpy 2.5, every numpy output fails with "output tensor shape does not
+match size of output"; a numpy round trip inside the stub looks fine, so no load-time probe can tell).
+A numpy array itself cannot go to `Tensor.from_dlpack`: the stub renames a consumed capsule
+"used_dlpack", not the spec's "used_dltensor", and numpy's capsule destructor then kills the stub.
+With numpy 2 and no torch, outputs go as numpy with a warning at load (right on stubs built for numpy 2;
+on Triton 2.51 every request then fails loudly, never silently). BYTES tensors go as numpy.
 `python -m benchmarks.gpu.stub_interop` shows what a given image gets right.
 """
 
@@ -34,35 +35,30 @@ def to_numpy(tensor, is_bytes):
     return tensor.as_numpy() if is_bytes else np.from_dlpack(tensor)
 
 
-def numpy_handoff_works():
-    """Does a numpy array handed to the stub come back as it went in? (Not with numpy 2 and Triton 2.51.)"""
-    want = np.arange(8, dtype=np.float32)
-    got = pb_utils.Tensor("probe", want).as_numpy()
-    return got.shape == want.shape and bool(np.array_equal(got, want))
+def numpy_output(name, array, is_bytes):
+    return pb_utils.Tensor(name, np.ascontiguousarray(array))
 
 
-def torch_output_maker():
-    """Outputs through torch's DLPack, for stubs that misread numpy; a load error with the reason without torch."""
+def output_maker():
+    """How outputs are handed to the stub: numpy with numpy 1.x, torch's DLPack with numpy 2 (see the docstring)."""
+    if int(np.__version__.split(".")[0]) < 2:
+        return numpy_output
     try:
         import torch
         from torch.utils.dlpack import to_dlpack
-    except ImportError as exc:
-        raise pb_utils.TritonModelException(
-            f"numpy {np.__version__} arrays handed to this Triton's python-backend stub come back wrong, and torch "
-            "(the DLPack way around it) is not installed: install torch beside the model, or numpy<2"
-        ) from exc
+    except ImportError:
+        pb_utils.Logger.log_warn(
+            f"numpy {np.__version__} without torch: outputs go to the stub as numpy arrays, which Triton 2.51's "
+            "python backend misreads (install torch beside the model, or numpy<2, if requests fail)"
+        )
+        return numpy_output
 
-    def make(name, array, is_bytes):
-        array = np.ascontiguousarray(array)
+    def torch_output(name, array, is_bytes):
         if is_bytes:
-            return pb_utils.Tensor(name, array)
-        return pb_utils.Tensor.from_dlpack(name, to_dlpack(torch.from_numpy(array)))
+            return numpy_output(name, array, is_bytes)
+        return pb_utils.Tensor.from_dlpack(name, to_dlpack(torch.from_numpy(np.ascontiguousarray(array))))
 
-    return make
-
-
-def numpy_output(name, array, is_bytes):
-    return pb_utils.Tensor(name, np.ascontiguousarray(array))
+    return torch_output
 
 
 def session_options(runtime):
@@ -90,7 +86,7 @@ class TritonPythonModel:
             sess_options=session_options(runtime),
             providers=runtime.get("providers", ["CPUExecutionProvider"]),
         )
-        self.to_triton = numpy_output if numpy_handoff_works() else torch_output_maker()
+        self.to_triton = output_maker()
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.output_names = [o["name"] for o in self.config["output"]]
