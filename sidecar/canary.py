@@ -63,6 +63,14 @@ class Canary:
     def __post_init__(self) -> None:
         self.slots = MirrorSlots(self.params.max_in_flight)
 
+    def shadow_baseline(self) -> int | None:
+        """The baseline version the shadow model serves too (shadow latency pairing), else None."""
+        return self.baseline if self.params.latency_pairing == "shadow" else None
+
+    def shadow_versions(self) -> tuple[int, ...]:
+        b = self.shadow_baseline()
+        return (self.candidate,) if b is None else (self.candidate, b)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -212,7 +220,7 @@ class CanaryManager:
             except ControlError as exc:
                 raise CanaryError(str(exc), 404) from exc
             try:
-                await self.control.start_shadow(model, candidate)
+                await self.control.start_shadow(model, candidate, live if params.latency_pairing == "shadow" else None)
             except ControlError as exc:
                 raise CanaryError(f"cannot load the candidate: {exc}", 502) from exc
             now = time.time()
@@ -363,9 +371,9 @@ class CanaryManager:
                 self.canaries[model] = canary
                 if canary.pending is not None:
                     await self._complete(canary)
-                elif not await self.control.ready(shadow_name(model), canary.candidate):
+                elif not all([await self.control.ready(shadow_name(model), v) for v in canary.shadow_versions()]):
                     try:
-                        await self.control.start_shadow(model, canary.candidate)
+                        await self.control.start_shadow(model, canary.candidate, canary.shadow_baseline())
                     except ControlError as exc:
                         await self.decide(model, Judgement(PIN, (f"candidate could not be reloaded: {exc}",), {}),
                                           "sidecar")  # fmt: skip
@@ -469,6 +477,8 @@ class _MirrorJob:
         c = self.canary
         if role == "candidate":
             path = f"/v2/models/{shadow_name(c.model)}/versions/{c.candidate}/infer"
+        elif c.shadow_baseline() is not None:  # the shadow's own baseline instance: no client traffic queues there
+            path = f"/v2/models/{shadow_name(c.model)}/versions/{c.baseline}/infer"
         else:
             path = f"/v2/models/{c.model}/versions/{c.baseline}/infer"
         t0 = time.perf_counter()

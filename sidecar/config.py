@@ -50,9 +50,10 @@ class CanaryParams:
     confidence: float = 0.99
     warmup_samples: int = 20  # first candidate responses: outputs compared, latency not used (cold model)
     # What the candidate's latency is paired with: "primary", the client's own request (no extra load;
-    # sound while Triton has headroom), or "shadow", a replay to the baseline sent at the same moment
-    # as the candidate's copy (one more baseline inference per sample; sound under saturation, where
-    # the candidate's copy competes with the next client request; every sample is then also an A/A one).
+    # sound while Triton has headroom), or "shadow", a replay sent at the same moment as the candidate's
+    # copy to the baseline version loaded in the shadow model beside the candidate (an instance that,
+    # like the candidate's, takes no client traffic): both copies meet the same load. It costs a second
+    # instance of the baseline and one more inference per sample; every sample is then also an A/A one.
     latency_pairing: str = "primary"
 
     def __post_init__(self) -> None:

@@ -87,13 +87,19 @@ class TritonControl:
             raise ControlError(f"{path} must hold a JSON object")
         return data
 
-    def write_shadow(self, model: str, candidate: int) -> Path:
-        """Lay out `<m>__canary/` (staged, then renamed into place); replaces a stale one."""
-        config = set_version_policy(_rename_model(self.read_config(model), shadow_name(model)), [candidate])
+    def write_shadow(self, model: str, candidate: int, baseline: int | None = None) -> Path:
+        """Lay out `<m>__canary/` (staged, then renamed into place); replaces a stale one.
+
+        With `baseline`, the shadow serves that version too: baseline replays then run on an instance that,
+        like the candidate's, takes no client traffic (shadow latency pairing).
+        """
+        versions = sorted({candidate} | ({baseline} if baseline is not None else set()))
+        config = set_version_policy(_rename_model(self.read_config(model), shadow_name(model)), versions)
         dest = self.repository / shadow_name(model)
         staging = Path(tempfile.mkdtemp(prefix=f".{shadow_name(model)}.", dir=self.repository))
         try:
-            os.symlink(f"../{model}/{candidate}", staging / str(candidate))
+            for v in versions:
+                os.symlink(f"../{model}/{v}", staging / str(v))
             atomic_write_text(staging / "config.pbtxt", config)
             os.chmod(staging, 0o755)
             self.remove_shadow(model)
@@ -138,12 +144,13 @@ class TritonControl:
             return False
 
     # -- canary lifecycle ----------------------------------------------------------------------
-    async def start_shadow(self, model: str, candidate: int) -> None:
-        await asyncio.to_thread(self.write_shadow, model, candidate)
+    async def start_shadow(self, model: str, candidate: int, baseline: int | None = None) -> None:
+        await asyncio.to_thread(self.write_shadow, model, candidate, baseline)
         try:
             await self.load(shadow_name(model))
-            if not await self.ready(shadow_name(model), candidate):
-                raise ControlError(f"{shadow_name(model)} version {candidate} is not ready after loading")
+            for v in (candidate,) if baseline is None else (candidate, baseline):
+                if not await self.ready(shadow_name(model), v):
+                    raise ControlError(f"{shadow_name(model)} version {v} is not ready after loading")
         except BaseException:
             with contextlib.suppress(ControlError):
                 await self.unload(shadow_name(model))

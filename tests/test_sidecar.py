@@ -193,12 +193,17 @@ async def test_promotion_under_load_loses_no_client_request(sidecar: Sidecar, cl
     assert after["versions"] == {"2"}
 
 
-async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar, client: aiohttp.ClientSession) -> None:
+async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar, client: aiohttp.ClientSession,
+                                                               triton: EmbeddedTriton) -> None:  # fmt: skip
     """Saturated (8 clients on 2 cores), a candidate's copy sent after the client's answer competes with the next
     client request and looks slower than it is. With shadow pairing its latency is paired with a baseline replay
-    sent at the same moment: a good candidate is promoted on tight latency terms, a slower one still pinned."""
+    sent at the same moment to a second instance of the baseline: a good candidate is promoted on tight latency
+    terms, a slower one still pinned."""
     tight = {"latency_pairing": "shadow", "latency_slack": 0.25, "min_samples": 150, "max_in_flight": 16}
     assert (await start_canary(client, sidecar, "pairgood", **tight))[0] == 201
+    # The baseline's replays run on the shadow's own instance of version 1, which takes no client traffic.
+    async with client.get(f"{triton.http_url}/v2/models/{shadow_name('pairgood')}/versions/1/ready") as r:
+        assert r.status == 200
     seen = await drive(client, sidecar.url, "pairgood", concurrency=8)
     assert set(seen["codes"]) == {200}
     [rec] = decisions(sidecar)
