@@ -162,7 +162,8 @@ class CanaryManager:
         if not canary.slots.acquire():
             self.metrics.inc(self.metrics.mirror_dropped, model, "candidate", "full")
             return
-        _MirrorJob(self, canary, body, fwd, primary, primary_s, request_id, aa).start()
+        job = _MirrorJob(self, canary, body, fwd, primary, primary_s, request_id, aa)
+        job._step(job.start)
 
     def replayed(self, canary: Canary, version: int, role: str, resp: UpstreamResponse | None,
                  exc: BaseException | None, seconds: float) -> tuple[UpstreamResponse, float] | str:  # fmt: skip
@@ -576,7 +577,7 @@ class _MirrorJob:
             then(compare_responses(self.primary, other, spec))
             return
         fut = asyncio.get_running_loop().run_in_executor(None, compare_responses, self.primary, other, spec)
-        fut.add_done_callback(lambda f: self._step(lambda: then(f.result())))
+        fut.add_done_callback(lambda f: self._finish() if f.cancelled() else self._step(lambda: then(f.result())))
 
     def _step(self, fn: Callable[..., None], *args: Any) -> None:
         try:

@@ -82,7 +82,9 @@ def _plain_body(resp: UpstreamResponse) -> bytes:
 
 # A JSON header that starts with only simple string members (no escapes) before "outputs", as Triton
 # writes it: {"id":"...","model_name":"...","model_version":"...","outputs":[...
-_SIMPLE_HEAD = re.compile(rb'\{(?:"(?:id|model_name|model_version)":"[^"\\]*",)*')
+# Values: printable ASCII without quote or backslash, which json.loads takes as they are (no control bytes,
+# no bytes that are not UTF-8).
+_SIMPLE_HEAD = re.compile(rb'\{(?:"(?:id|model_name|model_version)":"[\x20\x21\x23-\x5b\x5d-\x7e]*",)*')
 _OUTPUTS_KEY = b'"outputs":'
 
 

@@ -125,6 +125,7 @@ class _ClientConnection(asyncio.Protocol):
         self.busy = False
         self.current: Request | None = None
         self.closing = False
+        self.eof_sent = False
         self.paused = False
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -198,6 +199,8 @@ class _ClientConnection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if self.closing:  # parsed after an answer that closes the connection: never sent on
+            return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         method = self.parser.get_method()
         self.queue.append(Request(method, self._url, self._headers, body, self.parser.should_keep_alive()))
@@ -220,15 +223,18 @@ class _ClientConnection(asyncio.Protocol):
             self.front.dispatch(item, self)
         except Exception:  # a bug must cost this request, not the connection's others or the process
             LOG.exception("handling %s %r failed", item.method, item.url)
-            self.answered(item, error(500, "internal sidecar error", keep_alive=False))
+            self.answered(item, error(500, "internal sidecar error", keep_alive=False), close=True)
 
-    def answered(self, req: Request, out: list[bytes]) -> None:
-        """The answer to `req` (the request being handled): write it, then go on with the next one."""
+    def answered(self, req: Request, out: list[bytes], close: bool = False) -> None:
+        """The answer to `req` (the request being handled): write it, then go on with the next one.
+
+        `close`: the answer says "Connection: close" (an internal error), whatever the request asked for.
+        """
         if self.current is not req:
             return  # answered already (a failure path answered first): never twice
         self.current = None
         self.busy = False
-        self._write(out, close=not req.keep_alive)
+        self._write(out, close=close or not req.keep_alive)
         if self.paused and len(self.queue) < MAX_PIPELINED // 2 and not self.closing and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
@@ -236,7 +242,7 @@ class _ClientConnection(asyncio.Protocol):
 
     def _write(self, parts: list[bytes], close: bool) -> None:
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if transport is None or transport.is_closing() or self.eof_sent:
             return
         transport.writelines(parts) if len(parts) > 1 else transport.write(parts[0])
         if close:
@@ -248,6 +254,7 @@ class _ClientConnection(asyncio.Protocol):
             # Lingering close: closing with unread request bytes makes the kernel send a reset, which can
             # destroy the answer (a 413) before the client reads it. Send FIN, discard input, close later.
             transport.write_eof()
+            self.eof_sent = True
             transport.resume_reading()
             asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
@@ -291,20 +298,23 @@ class Front:
             return
         self.passthrough(self.admin, req, conn)
 
-    def _upstream_error(self, exc: BaseException, req: Request) -> list[bytes]:
+    def _upstream_error(self, exc: BaseException, req: Request, conn: _ClientConnection) -> None:
+        """Answer `req` for an upstream failure: 504 for a timeout, 502 for the rest (a bug: 500, and close)."""
         if isinstance(exc, UpstreamTimeout):
-            return error(504, f"upstream Triton did not answer within {self.config.upstream_timeout_s:g}s", req.keep_alive)
-        if isinstance(exc, UpstreamError):
-            return error(502, f"upstream Triton {exc}", req.keep_alive)
-        LOG.error("upstream request failed unexpectedly: %r", exc)
-        return error(500, "internal sidecar error", keep_alive=False)
+            conn.answered(req, error(504, f"upstream Triton did not answer within {self.config.upstream_timeout_s:g}s",
+                                     req.keep_alive))  # fmt: skip
+        elif isinstance(exc, UpstreamError):
+            conn.answered(req, error(502, f"upstream Triton {exc}", req.keep_alive))
+        else:
+            LOG.error("upstream request failed unexpectedly: %r", exc)
+            conn.answered(req, error(500, "internal sidecar error", keep_alive=False), close=True)
 
     def passthrough(self, pool: UpstreamPool, req: Request, conn: _ClientConnection) -> None:
         head = req.method == b"HEAD"  # asked upstream as GET: the response parser cannot tell a HEAD answer's end
 
         def done(resp: UpstreamResponse | None, exc: BaseException | None) -> None:
             if resp is None:
-                conn.answered(req, self._upstream_error(exc or UpstreamError("no answer"), req))
+                self._upstream_error(exc or UpstreamError("no answer"), req, conn)
                 return
             conn.answered(req, render(resp.status, resp.reason, resp.headers, resp.body, req.keep_alive, head_only=head))
 
@@ -331,7 +341,7 @@ class Front:
             in_flight[key] -= 1
             if resp is None:
                 timeout = isinstance(exc, UpstreamTimeout)
-                conn.answered(req, self._upstream_error(exc or UpstreamError("no answer"), req))
+                self._upstream_error(exc or UpstreamError("no answer"), req, conn)
                 self.metrics.observe_request(model, routed, "primary", 504 if timeout else 502, None)
                 return
             seconds = time.perf_counter() - t0

@@ -72,7 +72,10 @@ class _Exchange:
     done: Done
     timeout_s: float
     retried: bool = False
-    timer: asyncio.TimerHandle | None = None
+    timer: asyncio.TimerHandle | None = None  # the deadline, from send(): queueing and connecting count too
+    conn: _Connection | None = None  # the connection it is on, once sent
+    connecting: asyncio.Task[None] | None = None
+    finished: bool = False
 
 
 class _Connection(asyncio.Protocol):
@@ -93,6 +96,10 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self.pool._conns.add(self)
 
+    def eof_received(self) -> bool:
+        self.lost = True  # closed by the upstream: never handed out again, even before connection_lost
+        return False
+
     def data_received(self, data: bytes) -> None:
         self.got_data = True
         try:
@@ -108,11 +115,9 @@ class _Connection(asyncio.Protocol):
         if ex is None:
             return
         if self.reused and not self.got_data and not ex.retried:
-            # An idle keep-alive connection the upstream had closed: once more, on another connection.
-            self.exchange = None
+            # An idle keep-alive connection the upstream had closed: once more, on a new connection.
+            self.exchange, ex.conn = None, None
             self.pool._release(self, None)
-            if ex.timer is not None:
-                ex.timer.cancel()
             ex.retried = True
             self.pool._dispatch(ex)
             return
@@ -141,6 +146,7 @@ class _Connection(asyncio.Protocol):
     # -- pool side --------------------------------------------------------------------------------
     def start(self, ex: _Exchange, reused: bool) -> None:
         self.exchange, self.reused, self.got_data = ex, reused, False
+        ex.conn = self
         assert self.transport is not None
         if ex.body and len(ex.body) <= COALESCE_BYTES:
             self.transport.write(ex.head + ex.body)  # one send, one segment for Triton to read
@@ -148,7 +154,6 @@ class _Connection(asyncio.Protocol):
             self.transport.write(ex.head)
             if ex.body:
                 self.transport.write(ex.body)
-        ex.timer = self.pool.loop.call_later(ex.timeout_s, self.timed_out)
 
     def timed_out(self) -> None:
         self.close()
@@ -162,6 +167,7 @@ class _Connection(asyncio.Protocol):
         ex, self.exchange = self.exchange, None
         if ex is None:
             return
+        ex.conn, ex.finished = None, True
         if ex.timer is not None:
             ex.timer.cancel()
         self.pool._release(self, ex)
@@ -207,7 +213,9 @@ class UpstreamPool:
         if body is not None or method in (b"POST", b"PUT", b"PATCH"):
             parts += (b"Content-Length: ", str(len(body or b"")).encode(), b"\r\n")
         parts.append(b"\r\n")
-        self._dispatch(_Exchange(b"".join(parts), body, done, timeout_s or self.timeout_s))
+        ex = _Exchange(b"".join(parts), body, done, timeout_s or self.timeout_s)
+        ex.timer = self.loop.call_later(ex.timeout_s, self._expire, ex)
+        self._dispatch(ex)
 
     async def request(self, method: bytes, target: bytes, headers: Headers, body: bytes | None,
                       timeout_s: float | None = None) -> UpstreamResponse:  # fmt: skip
@@ -227,9 +235,9 @@ class UpstreamPool:
 
     def _dispatch(self, ex: _Exchange) -> None:
         if self._closed:
-            self._fail_later(ex, UpstreamError("the sidecar is shutting down"))
+            self.loop.call_soon(self._end, ex, UpstreamError("the sidecar is shutting down"))
             return
-        while self._idle:
+        while self._idle and not ex.retried:  # a retry goes out on a new connection
             conn = self._idle.pop()
             if not conn.lost:
                 self._open += 1
@@ -239,7 +247,7 @@ class UpstreamPool:
             self._waiting.append(ex)
             return
         self._open += 1
-        self.loop.create_task(self._connect_and_start(ex))
+        ex.connecting = self.loop.create_task(self._connect_and_start(ex))
 
     async def _connect_and_start(self, ex: _Exchange) -> None:
         try:
@@ -247,17 +255,49 @@ class UpstreamPool:
                 _, conn = await self.loop.create_unix_connection(lambda: _Connection(self), self.unix_path)
             else:
                 _, conn = await self.loop.create_connection(lambda: _Connection(self), self.host, self.port)
-        except OSError as exc:
+        except asyncio.CancelledError:  # its deadline passed while connecting (already answered)
             self._open -= 1
             self._next_waiting()
-            _deliver(ex, None, UpstreamError(f"unreachable: {exc.__class__.__name__}: {exc.strerror or exc}"))
             return
+        except OSError as exc:
+            ex.connecting = None
+            self._open -= 1
+            self._next_waiting()
+            self._end(ex, UpstreamError(f"unreachable: {exc.__class__.__name__}: {exc.strerror or exc}"))
+            return
+        ex.connecting = None
         if self._closed:
             conn.close()
             self._open -= 1
-            _deliver(ex, None, UpstreamError("the sidecar is shutting down"))
+            self._end(ex, UpstreamError("the sidecar is shutting down"))
+            return
+        if ex.finished:  # expired as the connection came up: the connection serves the next request instead
+            self._release(conn, None)
             return
         conn.start(ex, reused=False)
+
+    def _expire(self, ex: _Exchange) -> None:
+        """The exchange's deadline: fail it wherever it is (on a connection, connecting or queued)."""
+        if ex.finished:
+            return
+        if ex.conn is not None:
+            ex.conn.timed_out()
+            return
+        if ex.connecting is not None:
+            ex.connecting.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(ex)
+        self._end(ex, UpstreamTimeout("timeout"))
+
+    @staticmethod
+    def _end(ex: _Exchange, exc: BaseException) -> None:
+        """Fail an exchange that is not on a connection (queued, connecting, or refused), once."""
+        if ex.finished:
+            return
+        ex.finished = True
+        if ex.timer is not None:
+            ex.timer.cancel()
+        _deliver(ex, None, exc)
 
     def _release(self, conn: _Connection, ex: _Exchange | None) -> None:
         """`conn` finished its exchange: reuse it for the next waiting request, keep it idle, or drop it."""
@@ -278,9 +318,6 @@ class UpstreamPool:
         if self._waiting and self._open < self.limit:
             self._dispatch(self._waiting.popleft())
 
-    def _fail_later(self, ex: _Exchange, exc: BaseException) -> None:
-        self.loop.call_soon(_deliver, ex, None, exc)
-
     def close(self) -> None:
         """Abort every connection; requests in flight or waiting fail with UpstreamError."""
         self._closed = True
@@ -289,4 +326,4 @@ class UpstreamPool:
                 conn.close()
         self._idle.clear()
         while self._waiting:
-            self._fail_later(self._waiting.popleft(), UpstreamError("the sidecar is shutting down"))
+            self.loop.call_soon(self._end, self._waiting.popleft(), UpstreamError("the sidecar is shutting down"))

@@ -84,6 +84,16 @@ def test_identical_nan_and_inf_are_left_to_the_full_compare() -> None:
         assert cmp.passed is (metric == "l0")
 
 
+def test_a_head_json_would_reject_is_not_identical() -> None:
+    """A control byte in a head value: the byte check must not call it identical (json.loads rejects it)."""
+    primary = answer({"y": np.ones(4, dtype=np.float32)}, binary=False)
+    i = primary.body.index(b'"outputs":')
+    other = UpstreamResponse(200, b"OK", primary.headers, b'{"model_name":"m","model_version":"2\x01",' + primary.body[i:])
+    assert not mirror._same_from_outputs(primary.body, None, other.body, None)
+    cmp = both(primary, other, spec_for("linf", 0.1))
+    assert not cmp.passed and "not decodable" in cmp.reasons[0]
+
+
 def test_json_numbers_of_another_type_are_not_identical() -> None:
     """1 and 1.0 are equal in Python, but INT32 data written as 1.0 does not decode: the verdicts must agree."""
     primary = answer({"k": np.array([1, 2, 3], dtype=np.int32)}, binary=False)

@@ -430,5 +430,13 @@ async def test_http_framing_pipelining_continue_and_malformed_input(sidecar: Sid
     # HEAD passes through with the headers and no body; the process still answers.
     out = await _raw(sidecar.url, b"HEAD /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 200") and out.endswith(b"\r\n\r\n"), out
+    # An answer that closes the connection (a refused model-control call that asked to close) ends it: the
+    # requests pipelined behind it in the same packet are never sent on, and the 403 arrives whole.
+    refused = b"POST /v2/repository/models/plain/unload HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    before = sidecar.metric("tunegate_requests_total", model="plain", version="1", role="primary", code="200")
+    out = await _raw(sidecar.url, refused + req * 2)
+    assert out.startswith(b"HTTP/1.1 403") and out.count(b"HTTP/1.1") == 1, out[:300]
+    await asyncio.sleep(0.2)
+    assert sidecar.metric("tunegate_requests_total", model="plain", version="1", role="primary", code="200") == before
     seen = await _raw(sidecar.url, req.replace(b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n"))
     assert seen.startswith(b"HTTP/1.1 200 OK")

@@ -94,3 +94,13 @@ def test_wildcard_and_per_output() -> None:
 def test_bad_tolerance_specs_are_clear(raw: dict[str, object], match: str) -> None:
     with pytest.raises(ToleranceError, match=match):
         ToleranceSpec.from_dict(raw)
+
+
+@pytest.mark.parametrize("metric", ["l0", "l1", "l2", "linf", "cosine", "topk"])
+@pytest.mark.parametrize("shape", [(2, 0), (0,), (2, 3, 0)])
+def test_identical_tensors_without_elements_pass(metric: str, shape: tuple[int, ...]) -> None:
+    """A detector that finds nothing answers an empty tensor: identical empty outputs are within any tolerance."""
+    empty = np.zeros(shape, dtype=np.float32)
+    threshold = 0.99 if metric in ("cosine", "topk") else 0.0
+    spec = ToleranceSpec.from_dict({"boxes": {"metric": metric, "threshold": threshold}})
+    assert compare({"boxes": empty}, {"boxes": empty.copy()}, spec).passed

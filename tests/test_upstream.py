@@ -147,3 +147,25 @@ async def test_an_unreachable_upstream_and_a_closed_pool_are_errors() -> None:
             await asyncio.wait_for(pending, 2)
         with pytest.raises(UpstreamError, match="shutting down"):
             await pool.request(b"GET", b"/", [], None)
+
+
+async def test_the_deadline_counts_from_send_even_while_queued() -> None:
+    """With every connection busy, a request waits in the queue: its timeout runs there too (a 504, not a hang)."""
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader) is not None:
+            await asyncio.sleep(0.6)
+            writer.write(ok(b"slow"))
+            await writer.drain()
+
+    async with fake_upstream(slow) as port:
+        pool = UpstreamPool("127.0.0.1", port, limit=1, timeout_s=5)
+        first = asyncio.ensure_future(pool.request(b"GET", b"/1", [], None))
+        await asyncio.sleep(0.05)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamTimeout):
+            await pool.request(b"GET", b"/2", [], None, timeout_s=0.2)
+        assert asyncio.get_running_loop().time() - t0 < 0.5  # not after the first request's 0.6 s
+        assert (await first).body == b"slow"
+        assert (await pool.request(b"GET", b"/3", [], None)).body == b"slow"  # the queue is not stuck
+        pool.close()

@@ -142,10 +142,12 @@ def sample_values(tol: Tolerance, ref: np.ndarray, cand: np.ndarray) -> np.ndarr
     """Per-sample metric values (float64, one per row along axis 0)."""
     r = _as_samples(ref).astype(np.float64)
     c = _as_samples(cand).astype(np.float64)
+    if r.shape[1] == 0:  # samples without elements (e.g. zero detections): nothing differs
+        return np.ones(r.shape[0]) if tol.higher_is_better else np.zeros(r.shape[0])
     if tol.metric == "l0":
         bad = np.abs(c - r) > tol.atol + tol.rtol * np.abs(r)
         bad |= ~np.isfinite(c) & np.isfinite(r)
-        return np.asarray(bad.mean(axis=1) if r.shape[1] else np.zeros(r.shape[0]))
+        return np.asarray(bad.mean(axis=1))
     if tol.metric == "l1":
         return np.asarray(np.abs(c - r).mean(axis=1))
     if tol.metric == "l2":

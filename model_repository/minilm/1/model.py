@@ -46,10 +46,12 @@ def output_maker():
     try:
         import torch
         from torch.utils.dlpack import to_dlpack
-    except ImportError:
+
+        to_dlpack(torch.from_numpy(np.zeros(1, dtype=np.float32)))  # usable with this numpy, not just importable
+    except Exception as exc:  # ImportError, or a torch built for another numpy  # noqa: BLE001
         pb_utils.Logger.log_warn(
-            f"numpy {np.__version__} without torch: outputs go to the stub as numpy arrays, which Triton 2.51's "
-            "python backend misreads (install torch beside the model, or numpy<2, if requests fail)"
+            f"numpy {np.__version__} without a usable torch ({exc!r}): outputs go to the stub as numpy arrays, "
+            "which Triton 2.51's python backend misreads (install torch beside the model, or numpy<2)"
         )
         return numpy_output
 
