@@ -26,7 +26,7 @@ from sidecar.config import CanaryParams, ConfigError, SidecarConfig
 from sidecar.control import SHADOW_SUFFIX, ControlError, PromotionError, TritonControl, shadow_name
 from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, judge
 from sidecar.metrics import SidecarMetrics
-from sidecar.mirror import Comparison, MirrorSlots, compare_responses
+from sidecar.mirror import Comparison, MirrorSlots, Reference, compare_responses, reference
 from sidecar.state import EvidenceCounter, StateStore
 from sidecar.upstream import Headers, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from tunegate.tolerance import ToleranceError, ToleranceSpec
@@ -70,6 +70,14 @@ class Canary:
     def shadow_versions(self) -> tuple[int, ...]:
         b = self.shadow_baseline()
         return (self.candidate,) if b is None else (self.candidate, b)
+
+    @functools.cached_property
+    def mirror_paths(self) -> dict[str, bytes]:
+        """Where each mirror role's copies go, built once per canary rather than per request."""
+        base_model = shadow_name(self.model) if self.shadow_baseline() is not None else self.model
+        return {"candidate": f"/v2/models/{shadow_name(self.model)}/versions/{self.candidate}/infer".encode(),
+                # with shadow pairing, the shadow's own baseline instance: no client traffic queues there
+                "aa": f"/v2/models/{base_model}/versions/{self.baseline}/infer".encode()}  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -443,6 +451,7 @@ class _MirrorJob:
         "mgr",
         "primary",
         "primary_s",
+        "ref",
         "request_id",
         "waiting",
     )  # fmt: skip
@@ -453,6 +462,7 @@ class _MirrorJob:
         self.primary, self.primary_s, self.request_id, self.aa = primary, primary_s, request_id, aa
         self.cand: tuple[UpstreamResponse, float] | str | None = None
         self.base: tuple[UpstreamResponse, float] | str | None = None
+        self.ref: Reference | Comparison | None = None  # the primary, decoded once
         self.waiting = 0
         self.done = False
 
@@ -476,18 +486,12 @@ class _MirrorJob:
 
     def _send(self, role: str, then: Callable[[str, UpstreamResponse | None, BaseException | None, float], None]) -> None:
         c = self.canary
-        if role == "candidate":
-            path = f"/v2/models/{shadow_name(c.model)}/versions/{c.candidate}/infer"
-        elif c.shadow_baseline() is not None:  # the shadow's own baseline instance: no client traffic queues there
-            path = f"/v2/models/{shadow_name(c.model)}/versions/{c.baseline}/infer"
-        else:
-            path = f"/v2/models/{c.model}/versions/{c.baseline}/infer"
         t0 = time.perf_counter()
 
         def answered(resp: UpstreamResponse | None, exc: BaseException | None) -> None:
             self._step(then, role, resp, exc, time.perf_counter() - t0)
 
-        self.mgr.upstream.send(b"POST", path.encode(), self.headers, self.body, answered, c.params.timeout_s)
+        self.mgr.upstream.send(b"POST", c.mirror_paths[role], self.headers, self.body, answered, c.params.timeout_s)
 
     def _paired(self, role: str, resp: UpstreamResponse | None, exc: BaseException | None, seconds: float) -> None:
         c = self.canary
@@ -571,13 +575,27 @@ class _MirrorJob:
 
     # -- plumbing ------------------------------------------------------------------------------
     def _compare(self, other: UpstreamResponse, then: Callable[[Comparison], None]) -> None:
-        """Small responses inline (a thread handoff would cost more than the work), larger ones in the executor."""
+        """Small responses inline (a thread handoff would cost more than the work), larger ones in the executor.
+
+        The primary is decoded at the first comparison and kept for the second (the A/A one).
+        """
         spec = self.canary.tolerance
         if len(self.primary.body) + len(other.body) <= INLINE_COMPARE_BYTES:
-            then(compare_responses(self.primary, other, spec))
+            if self.ref is None:
+                self.ref = reference(self.primary)
+            then(compare_responses(self.ref, other, spec))
             return
-        fut = asyncio.get_running_loop().run_in_executor(None, compare_responses, self.primary, other, spec)
-        fut.add_done_callback(lambda f: self._finish() if f.cancelled() else self._step(lambda: then(f.result())))
+
+        def work() -> tuple[Reference | Comparison, Comparison]:
+            ref = self.ref if self.ref is not None else reference(self.primary)
+            return ref, compare_responses(ref, other, spec)
+
+        def done(f: asyncio.Future[tuple[Reference | Comparison, Comparison]]) -> None:
+            self.ref, cmp = f.result()
+            then(cmp)
+
+        fut = asyncio.get_running_loop().run_in_executor(None, work)
+        fut.add_done_callback(lambda f: self._finish() if f.cancelled() else self._step(done, f))
 
     def _step(self, fn: Callable[..., None], *args: Any) -> None:
         try:

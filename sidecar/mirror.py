@@ -119,27 +119,53 @@ def _identical_outputs(header: Mapping[str, Any], plain: bytes, hl: int | None, 
     return other_tail == tail and codec.same_json(header.get("outputs"), other_header.get("outputs"))
 
 
-def compare_responses(primary: UpstreamResponse, other: UpstreamResponse, spec: ToleranceSpec,
-                      fast: bool = True) -> Comparison:  # fmt: skip
-    """Decode both responses with the shared codec and compare them with the tuner's gate code.
+@dataclasses.dataclass
+class Reference:
+    """The primary's answer decoded once, for every comparison against it (the candidate's and the A/A one)."""
 
-    Fast path (`fast`): when the candidate's outputs would decode to exactly the primary's (the same
-    parsed JSON, type for type, and the same binary tail: A/A replays, deterministic candidates), the
-    candidate is not decoded and no metric is computed if `identical_passes` says the gate passes them
-    for certain. The verdict is the same either way (tests/test_mirror_compare.py checks both paths).
-    """
+    plain: bytes
+    header_length: int | None
+    header: Mapping[str, Any]
+    arrays: dict[str, Any]
+    _spec: ToleranceSpec | None = None
+    _passes: bool = False
+
+    def passes_identical(self, spec: ToleranceSpec) -> bool:
+        """`identical_passes(spec, arrays)`, computed once per spec."""
+        if self._spec is not spec:
+            self._spec, self._passes = spec, identical_passes(spec, self.arrays)
+        return self._passes
+
+
+def reference(primary: UpstreamResponse) -> Reference | Comparison:
+    """The primary decoded, or the Comparison every comparison against an undecodable primary gives."""
     try:
         plain, hl = _plain_body(primary), header_length(primary)
         msg = codec.decode_response(plain, hl)
     except (codec.CodecError, zlib.error) as exc:
         return Comparison(False, {}, (f"primary response not decodable: {exc}",), reference_ok=False)
-    ref = msg.arrays()
-    if fast and _identical_outputs(msg.header, plain, hl, other) and identical_passes(spec, ref):
-        return Comparison(True, {name: True for name in ref}, ())
+    return Reference(plain, hl, msg.header, msg.arrays())
+
+
+def compare_responses(primary: UpstreamResponse | Reference | Comparison, other: UpstreamResponse,
+                      spec: ToleranceSpec, fast: bool = True) -> Comparison:  # fmt: skip
+    """Decode both responses with the shared codec and compare them with the tuner's gate code.
+
+    `primary` may come decoded already (`reference()`), so that comparing it twice decodes it once.
+    Fast path (`fast`): when the candidate's outputs would decode to exactly the primary's (the same
+    parsed JSON, type for type, and the same binary tail: A/A replays, deterministic candidates), the
+    candidate is not decoded and no metric is computed if `identical_passes` says the gate passes them
+    for certain. The verdict is the same either way (tests/test_mirror_compare.py checks both paths).
+    """
+    ref = reference(primary) if isinstance(primary, UpstreamResponse) else primary
+    if isinstance(ref, Comparison):
+        return ref
+    if fast and _identical_outputs(ref.header, ref.plain, ref.header_length, other) and ref.passes_identical(spec):
+        return Comparison(True, {name: True for name in ref.arrays}, ())
     try:
         cand = codec.decode_response(_plain_body(other), header_length(other)).arrays()
     except (codec.CodecError, zlib.error) as exc:
-        return Comparison(False, {n: False for n in ref}, (f"response not decodable: {exc}",))
-    verdict = compare(ref, cand, spec)
+        return Comparison(False, {n: False for n in ref.arrays}, (f"response not decodable: {exc}",))
+    verdict = compare(ref.arrays, cand, spec)
     outputs = {name: v.passed for name, v in verdict.outputs.items()}
     return Comparison(verdict.passed, outputs, tuple(f.reason for f in verdict.failures))

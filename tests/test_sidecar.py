@@ -199,7 +199,9 @@ async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar,
     client request and looks slower than it is. With shadow pairing its latency is paired with a baseline replay
     sent at the same moment to a second instance of the baseline: a good candidate is promoted on tight latency
     terms, a slower one still pinned."""
-    tight = {"latency_pairing": "shadow", "latency_slack": 0.25, "min_samples": 150, "max_in_flight": 16}
+    # Fresh instances on both sides: the first comparisons give no latency pairs (warmup), as in production.
+    tight = {"latency_pairing": "shadow", "latency_slack": 0.25, "min_samples": 150, "max_in_flight": 16,
+             "warmup_samples": 60}
     assert (await start_canary(client, sidecar, "pairgood", **tight))[0] == 201
     # The baseline's replays run on the shadow's own instance of version 1, which takes no client traffic.
     async with client.get(f"{triton.http_url}/v2/models/{shadow_name('pairgood')}/versions/1/ready") as r:
