@@ -212,6 +212,10 @@ async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar,
     assert rec["outcome"] == "promote", (rec["reasons"], rec["evidence"])
     ev = rec["evidence"]
     assert ev["aa_compared"] >= 0.9 * ev["compared"]  # every sample is an A/A one too
+    # One pair at a time (no queue of our own copies at either instance): requests that find the pair in
+    # flight are not sampled, so nothing is counted as dropped.
+    assert sidecar.metric("tunegate_mirror_dropped_total", model="pairgood", role="candidate", reason="full") == 0
+    assert sidecar.metric("tunegate_mirror_sampled_total", model="pairgood", role="candidate") >= ev["compared"]
     assert (await start_canary(client, sidecar, "pairslow", **tight))[0] == 201
     await drive(client, sidecar.url, "pairslow", concurrency=8)
     rec = decisions(sidecar)[-1]
