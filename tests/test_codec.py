@@ -163,3 +163,41 @@ def test_structured_garbage_only_ever_raises_codec_error(doc: object) -> None:
         codec.decode_request(json.dumps({"inputs": doc}).encode(), None)
     except codec.CodecError:
         pass
+
+
+def _parsed(raw: bytes, fn: object) -> str:
+    """repr of what a JSON parser gives (type-strict: 1, 1.0 and -0.0 differ), or that it failed."""
+    try:
+        return repr(fn(raw))  # type: ignore[operator]
+    except (ValueError, RecursionError) as exc:
+        return f"error {type(exc).__name__}"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.floats(width=32) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=4), inner, max_size=5),
+    max_leaves=30,
+)
+number_text = st.from_regex(rb"\A-?(0|[1-9][0-9]{0,24})(\.[0-9]{1,24})?([eE][+-]?[0-9]{1,22})?\Z")
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=json_values)
+def test_fast_loads_gives_what_json_loads_gives(value: object) -> None:
+    """codec.loads (orjson where it is bound to agree) is json.loads: same values, same types, same failures.
+    Big integers (orjson would give floats), NaN and overflowing numbers (orjson refuses them) included."""
+    raw = json.dumps(value).encode()
+    assert _parsed(raw, codec.loads) == _parsed(raw, json.loads)
+
+
+@settings(max_examples=400, deadline=None)
+@given(number=number_text, wrap=st.sampled_from([b"%s", b"[%s]", b'{"data":[1.5,%s]}', b"[%s,-0]"]))
+def test_fast_loads_reads_every_number_literal_like_json(number: bytes, wrap: bytes) -> None:
+    raw = wrap % number
+    assert _parsed(raw, codec.loads) == _parsed(raw, json.loads)
+
+
+@pytest.mark.parametrize("raw", [b"18446744073709551616", b"[-9223372036854775809]", b"1e400", b"[NaN]",
+                                 b'"\\ud800"', b"\xef\xbb\xbf{}", b"[0.0012000000569969416, 1e-400]"])  # fmt: skip
+def test_fast_loads_edge_cases(raw: bytes) -> None:
+    assert _parsed(raw, codec.loads) == _parsed(raw, json.loads)

@@ -16,8 +16,8 @@ unzip -q "$tmp"/tritonclient-2.51.0-*.whl 'tritonclient-2.51.0.data/purelib/trit
     'tritonclient-2.51.0.data/purelib/tritonclient/utils/*' -d "$tmp/x"
 mv "$tmp/x/tritonclient-2.51.0.data/purelib/tritonclient" wheels/tritonclient-utils/
 rm -rf "$tmp"
-# The sidecar's client path (httptools) and event loop (uvloop), for the image's Python 3.12.
+# The sidecar's client path (httptools), event loop (uvloop) and JSON (orjson), for the image's Python 3.12.
 "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-    httptools uvloop -d wheels
+    httptools uvloop orjson -d wheels
 du -sh wheels/*
