@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from sidecar.state import MAX_LATENCY_PAIRS, EvidenceCounter
 from sidecar.judge import (
     CONTINUE,
     INCONCLUSIVE,
@@ -149,3 +150,14 @@ def test_statistics_helpers() -> None:
     p = np.full(101, 0.01)
     m, m_lo, m_hi = median_ratio(p, p * 2.0, 2.326)
     assert m == pytest.approx(2.0) and m_lo == pytest.approx(2.0) and m_hi == pytest.approx(2.0)
+
+
+def test_evidence_keeps_the_most_recent_latency_pairs() -> None:
+    ev = EvidenceCounter()
+    n = 2 * MAX_LATENCY_PAIRS + 123
+    for i in range(n):
+        ev.add_pair(float(i), float(-i))
+    snap = ev.snapshot()
+    assert snap.primary_s == tuple(float(i) for i in range(n - MAX_LATENCY_PAIRS, n))
+    assert snap.candidate_s == tuple(-p for p in snap.primary_s)
+    assert len(ev.to_dict()["primary_s"]) == MAX_LATENCY_PAIRS

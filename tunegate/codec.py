@@ -70,12 +70,14 @@ def datatype_of(array: np.ndarray) -> str:
     return str(dt)
 
 
+_NP_DTYPES = {dt: np.float32 if dt == "BF16" else triton_to_np_dtype(dt) for dt in DATATYPES}
+
+
 def _np_dtype(datatype: str) -> Any:
-    if datatype not in DATATYPES:
-        raise CodecError(f"unknown datatype {datatype!r}; expected one of {', '.join(DATATYPES)}")
-    if datatype == "BF16":
-        return np.float32
-    return triton_to_np_dtype(datatype)
+    try:
+        return _NP_DTYPES[datatype]
+    except KeyError:
+        raise CodecError(f"unknown datatype {datatype!r}; expected one of {', '.join(DATATYPES)}") from None
 
 
 def _shape(raw: Any, where: str) -> tuple[int, ...]:
@@ -274,12 +276,11 @@ def decode(body: bytes, header_length: int | None, key: str = "inputs") -> Infer
     tensors: dict[str, Tensor] = {}
     offset = 0
     for i, entry in enumerate(entries):
-        where = f"{key}[{i}]"
         if not isinstance(entry, dict):
-            raise CodecError(f"{where} must be an object")
+            raise CodecError(f"{key}[{i}] must be an object")
         name = entry.get("name")
         if not isinstance(name, str) or not name:
-            raise CodecError(f"{where}: 'name' must be a non-empty string")
+            raise CodecError(f"{key}[{i}]: 'name' must be a non-empty string")
         where = f"{key[:-1]} {name!r}"
         if name in tensors:
             raise CodecError(f"{where} appears twice")
