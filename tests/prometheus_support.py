@@ -80,15 +80,18 @@ def load_yaml(path: Path) -> Any:
 
 def contract_series() -> dict[str, frozenset[str]]:
     """Exposed series names of the sidecar's metrics -> their label names (from sidecar/metrics.py)."""
-    from sidecar.metrics import SidecarMetrics
+    from sidecar.metrics import LoopCounter, LoopHistogram, SidecarMetrics
 
     metrics = SidecarMetrics(CollectorRegistry())
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     out: dict[str, frozenset[str]] = {}
     for metric in vars(metrics).values():
-        if not isinstance(metric, MetricWrapperBase):
+        if isinstance(metric, MetricWrapperBase):
+            labels = frozenset(metric._labelnames)
+        elif isinstance(metric, (LoopCounter, LoopHistogram)):  # the client and mirror paths' lock-free ones
+            labels = frozenset(metric.labelnames)
+        else:
             continue
-        labels = frozenset(metric._labelnames)
         for family in metric.describe():
             for suffix in suffixes[family.type]:
                 out[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
