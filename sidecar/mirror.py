@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from sidecar.upstream import UpstreamResponse, find_header
+from sidecar.upstream import UpstreamResponse
 from tunegate import codec
 from tunegate.tolerance import ToleranceSpec, compare, identical_passes
 
@@ -54,30 +54,33 @@ class MirrorSlots:
         return self.in_flight
 
 
-def header_length(resp: UpstreamResponse) -> int | None:
-    """The binary extension's JSON header length, from the raw header pairs (CodecError when malformed)."""
-    raw = find_header(resp.headers, b"inference-header-content-length")
-    return codec.parse_header_length(None if raw is None else raw.decode("latin-1"))
+def payload(resp: UpstreamResponse) -> tuple[bytes, int | None]:
+    """The body with its content-encoding undone, and the binary extension's JSON header length, from one scan
+    of the raw header pairs (the first of each header counts). CodecError or zlib.error when malformed."""
+    enc = raw_hl = None
+    for name, value in resp.headers:
+        low = name.lower()
+        if low == b"inference-header-content-length":
+            raw_hl = value if raw_hl is None else raw_hl
+        elif low == b"content-encoding":
+            enc = value if enc is None else enc
+    hl = codec.parse_header_length(None if raw_hl is None else raw_hl.decode("latin-1"))
+    if enc is None:
+        return resp.body, hl
+    enc = enc.lower()
+    if enc == b"gzip":
+        return zlib.decompress(resp.body, 16 + zlib.MAX_WBITS), hl
+    if enc == b"deflate":
+        return zlib.decompress(resp.body), hl
+    return resp.body, hl
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Comparison:
     passed: bool
     outputs: dict[str, bool]  # output name -> within tolerance
     reasons: tuple[str, ...]
     reference_ok: bool = True  # False: the primary's own response could not be decoded (nothing judged)
-
-
-def _plain_body(resp: UpstreamResponse) -> bytes:
-    enc = find_header(resp.headers, b"content-encoding")
-    if enc is None:
-        return resp.body
-    enc = enc.lower()
-    if enc == b"gzip":
-        return zlib.decompress(resp.body, 16 + zlib.MAX_WBITS)
-    if enc == b"deflate":
-        return zlib.decompress(resp.body)
-    return resp.body
 
 
 # A JSON header that starts with only simple string members (no escapes) before "outputs", as Triton
@@ -109,7 +112,7 @@ def _identical_outputs(header: Mapping[str, Any], plain: bytes, hl: int | None, 
     """Would the other response decode to exactly the primary's outputs? Decided on raw bytes where the heads
     are as Triton writes them, else on the parsed JSON (type for type) and the binary tail."""
     try:
-        other_plain, other_hl = _plain_body(other), header_length(other)
+        other_plain, other_hl = payload(other)
         if _same_from_outputs(plain, hl, other_plain, other_hl):
             return True
         other_header, other_tail = codec.split_body(other_plain, other_hl)
@@ -140,7 +143,7 @@ class Reference:
 def reference(primary: UpstreamResponse) -> Reference | Comparison:
     """The primary decoded, or the Comparison every comparison against an undecodable primary gives."""
     try:
-        plain, hl = _plain_body(primary), header_length(primary)
+        plain, hl = payload(primary)
         msg = codec.decode_response(plain, hl)
     except (codec.CodecError, zlib.error) as exc:
         return Comparison(False, {}, (f"primary response not decodable: {exc}",), reference_ok=False)
@@ -163,7 +166,7 @@ def compare_responses(primary: UpstreamResponse | Reference | Comparison, other:
     if fast and _identical_outputs(ref.header, ref.plain, ref.header_length, other) and ref.passes_identical(spec):
         return Comparison(True, {name: True for name in ref.arrays}, ())
     try:
-        cand = codec.decode_response(_plain_body(other), header_length(other)).arrays()
+        cand = codec.decode_response(*payload(other)).arrays()
     except (codec.CodecError, zlib.error) as exc:
         return Comparison(False, {n: False for n in ref.arrays}, (f"response not decodable: {exc}",))
     verdict = compare(ref.arrays, cand, spec)

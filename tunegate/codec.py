@@ -80,10 +80,15 @@ def _np_dtype(datatype: str) -> Any:
         raise CodecError(f"unknown datatype {datatype!r}; expected one of {', '.join(DATATYPES)}") from None
 
 
+_INT = frozenset({int})  # type sets are checked in C loops (this runs for every mirrored JSON response)
+_NUMBER = frozenset({int, float})
+_BOOL = frozenset({bool})
+
+
 def _shape(raw: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in raw):
+    if type(raw) is not list or not set(map(type, raw)) <= _INT:  # JSON's true/false are bools, not ints here
         raise CodecError(f"{where}: 'shape' must be a list of integers, got {raw!r}")
-    if any(d < 0 for d in raw):
+    if raw and min(raw) < 0:
         raise CodecError(f"{where}: 'shape' has a negative dimension: {raw}")
     return tuple(raw)
 
@@ -95,11 +100,13 @@ def _count(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _flatten(data: Any) -> list[Any]:
+def _flatten(data: Any) -> tuple[list[Any], set[type]]:
+    """The scalars of nested lists, in order, and their types."""
     if not isinstance(data, list):
-        return [data]
-    if list not in set(map(type, data)):
-        return data  # already flat, as Triton writes its outputs: no per-element Python loop
+        return [data], {type(data)}
+    types = set(map(type, data))
+    if list not in types:
+        return data, types  # already flat, as Triton writes its outputs: no per-element Python loop
     out: list[Any] = []
     stack = [iter(data)]
     while stack:
@@ -110,11 +117,11 @@ def _flatten(data: Any) -> list[Any]:
             out.append(item)
         else:
             stack.pop()
-    return out
+    return out, set(map(type, out))
 
 
 def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
-    flat = _flatten(data)
+    flat, types = _flatten(data)
     if len(flat) != _count(shape):
         raise CodecError(f"{where}: shape {list(shape)} needs {_count(shape)} elements, 'data' has {len(flat)}")
     if datatype == "BYTES":
@@ -127,18 +134,16 @@ def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str
             else:
                 raise CodecError(f"{where}: BYTES data must be strings, got {type(v).__name__}")
         return np.array(items, dtype=np.object_).reshape(shape)
-    # Element types are checked as a set (a C loop): this runs for every mirrored JSON response.
-    types = set(map(type, flat))
     if datatype == "BOOL":
-        if not types <= {bool}:
+        if not types <= _BOOL:
             raise CodecError(f"{where}: BOOL data must be true/false")
     elif datatype.startswith(("INT", "UINT")):
-        if not types <= {int}:
+        if not types <= _INT:
             raise CodecError(f"{where}: {datatype} data must be integers")
         info = np.iinfo(_np_dtype(datatype))
         if flat and (min(flat) < info.min or max(flat) > info.max):
             raise CodecError(f"{where}: data does not fit {datatype} (range {info.min}..{info.max})")
-    elif not types <= {int, float}:
+    elif not types <= _NUMBER:
         raise CodecError(f"{where}: {datatype} data must be numbers")
     try:
         arr = np.array(flat, dtype=_np_dtype(datatype))
