@@ -72,6 +72,8 @@ class _LoopFamily:
         if child is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            if not all(type(v) is str for v in values):  # as prometheus_client does; strings are looked up as they are
+                return self.labels(*map(str, values))
             child = self._children[values] = self._child()
         return child
 

@@ -98,7 +98,7 @@ class StateStore:
         if not self.path.exists():
             return {"version": STATE_VERSION, "models": {}}
         try:
-            data: dict[str, Any] = json.loads(self.path.read_text())
+            data: dict[str, Any] = json.loads(self.path.read_bytes())  # UTF-8, as orjson writes it
         except (OSError, json.JSONDecodeError) as exc:
             raise StateError(
                 f"{self.path} cannot be read ({exc}); it is written atomically, so this is not a torn write: "
@@ -119,7 +119,11 @@ class StateStore:
     def save(self, snapshot: dict[str, Any]) -> None:
         """Write a snapshot taken on the event loop (call from a worker thread)."""
         with self._lock:
-            atomic_write_bytes(self.path, orjson.dumps(snapshot, option=_STATE_JSON, default=str))
+            try:
+                data = orjson.dumps(snapshot, option=_STATE_JSON, default=str)
+            except TypeError:  # what json writes and orjson cannot: integers beyond 64 bits, lone surrogates
+                data = (json.dumps(snapshot, indent=2, sort_keys=True, default=str) + "\n").encode()
+            atomic_write_bytes(self.path, data)
 
     def snapshot(self) -> dict[str, Any]:
         """A copy the saving thread can serialise while the loop goes on (taken on the loop, cheaply).

@@ -41,5 +41,8 @@ def test_loop_metrics_check_their_labels_and_names() -> None:
     c = LoopCounter("t_total_things", "Things.", ["model"], registry=registry)
     with pytest.raises(ValueError, match="takes labels"):
         c.labels("m", "extra")
+    c.labels(2).inc()  # label values become strings, as prometheus_client makes them
+    c.labels("2").inc()
+    assert registry.get_sample_value("t_total_things_total", {"model": "2"}) == 2.0
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         LoopCounter("t_total_things", "Things again.", ["model"], registry=registry)
