@@ -167,16 +167,13 @@ class CanaryManager:
         p = canary.params
         if not self.sample(p.sample_rate):
             return
-        if p.latency_pairing == "shadow":
-            # One pair at a time: a request that finds the pair in flight is not sampled (not a drop).
-            if not canary.slots.acquire():
-                return
-            self.metrics.inc(self.metrics.mirror_sampled, model, "candidate")
-        else:
-            self.metrics.inc(self.metrics.mirror_sampled, model, "candidate")
-            if not canary.slots.acquire():
-                self.metrics.inc(self.metrics.mirror_dropped, model, "candidate", "full")
-                return
+        acquired = canary.slots.acquire()
+        if not acquired and p.latency_pairing == "shadow":
+            return  # one pair at a time: a request that finds the pair in flight is not sampled (not a drop)
+        self.metrics.inc(self.metrics.mirror_sampled, model, "candidate")
+        if not acquired:
+            self.metrics.inc(self.metrics.mirror_dropped, model, "candidate", "full")
+            return
         fwd = [(k, v) for k, v in headers if k.lower() in FORWARD_MIRROR_HEADERS]
         aa = p.aa_rate > 0 and self._random.random() < p.aa_rate
         job = _MirrorJob(self, canary, body, fwd, primary, primary_s, request_id, aa)

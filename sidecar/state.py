@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from sidecar.judge import Evidence
-from tunegate.records import JsonlLog, atomic_write_bytes
+from tunegate.records import JsonlLog, atomic_write_bytes, atomic_write_json
 
 # orjson: json.dumps with an indent runs the pure-Python encoder, ~9 ms per save with 4000 latency pairs,
 # every judge tick, in a thread that holds the GIL the event loop needs; orjson takes ~0.4 ms.
@@ -122,7 +122,8 @@ class StateStore:
             try:
                 data = orjson.dumps(snapshot, option=_STATE_JSON, default=str)
             except TypeError:  # what json writes and orjson cannot: integers beyond 64 bits, lone surrogates
-                data = (json.dumps(snapshot, indent=2, sort_keys=True, default=str) + "\n").encode()
+                atomic_write_json(self.path, snapshot)
+                return
             atomic_write_bytes(self.path, data)
 
     def snapshot(self) -> dict[str, Any]:
