@@ -1,43 +1,69 @@
 """The canary judge: a pure function from paired evidence to PROMOTE / PIN / INCONCLUSIVE / CONTINUE with reasons.
 
-Same evidence, same decision: no clock (the caller passes `now`), no global randomness (the
-bootstrap for p95 is seeded from the evidence itself). Checked in this order, first hit wins:
+Same evidence, same decision: no clock (the caller passes `now`), no global randomness (the tail's
+bootstrap is seeded from the evidence itself). The judge is asked once a second, so every bound is
+valid however often it is looked at: rates and paired differences use the anytime-valid confidence
+sequences of `tunegate.stats`; the recent-window checks spend their error over their windows
+(alpha_j = alpha * 6 / (pi^2 j^2)).
 
-1. candidate errors + timeouts: lower confidence bound of the rate above the error budget -> PIN
-2. outputs: lower bound of the out-of-tolerance rate above budget + the A/A upper bound -> PIN
-3. latency (paired, same request on both versions): lower bound of the p50 ratio
-   candidate/baseline above the allowed ratio -> PIN (fail fast on clear regressions)
-4. fewer than `min_samples` comparisons -> CONTINUE (or INCONCLUSIVE at the deadline)
-5. error, out-of-tolerance and p50 upper bounds within their limits: then the p95 ratio
-   (bootstrap, the costly step) -> PIN if clearly above, PROMOTE if clearly within
-6. past the deadline -> INCONCLUSIVE (the baseline is pinned); otherwise CONTINUE
+Pin checks run at every look, each family with a sixth of `1 - confidence` (so an identical candidate
+is pinned at most that often in all), first hit wins:
 
-Rates use one-sided Wilson score bounds; the p50 ratio is the median of per-request ratios with a
-sign-test interval; the p95 ratio uses a paired bootstrap (pairs resampled together, so CPU
-contention that hit both versions cancels).
+1. errors: candidate error rate minus the baseline's own (its A/A replays), lower bound above the budget;
+2. outputs: out-of-tolerance rate minus the A/A rate, lower bound above the budget; clustered
+   mismatches widen the bound by their design effect (variance between blocks of BLOCK comparisons
+   over the binomial's);
+3. request classes: one class (batch and sequence bucket) out of tolerance beyond the budget on its own;
+4. latency p50: the share of pairs whose candidate/baseline ratio exceeds the allowed ratio, lower bound
+   above one half (an anytime sign test: the median ratio is above the limit), overall and per class;
+5. tail: pairs whose ratio is beyond the limit times TAIL_FACTOR outnumber those below the limit over
+   TAIL_FACTOR (a sign test over the extreme pairs: a slow tail shows up as outliers on one side);
+6. recent window: the p50 sign test and the out-of-tolerance rate over the most recent pairs and
+   comparisons only, so a regression that starts late is not diluted by the early evidence.
+
+Promotion needs `min_samples` comparisons over at least `min_duration_s`, every expected request class
+covered, and the upper bounds within their limits: out-of-tolerance and error rates (differences with
+the A/A rates, both uncertainties counted) and the p50 sign test below one half; it waits while a request
+class's or the recent window's p50, or (a bootstrap, checked last) the p95 ratio, is shown beyond the limit
+at 90% (HOLD_CONFIDENCE: sized to the measured noise rather than to a point estimate). Past the deadline without an answer: INCONCLUSIVE (the
+baseline stays).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import math
-from collections.abc import Sequence
-from statistics import NormalDist
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-CONTINUE = "continue"
-PROMOTE = "promote"
-PIN = "pin"
-INCONCLUSIVE = "inconclusive"
+from tunegate.stats import difference_lower, difference_upper, rate_lower, rate_upper
+
+
+class Outcome(enum.StrEnum):
+    CONTINUE = "continue"
+    PROMOTE = "promote"
+    PIN = "pin"
+    INCONCLUSIVE = "inconclusive"
+
+
+CONTINUE, PROMOTE, PIN, INCONCLUSIVE = Outcome.CONTINUE, Outcome.PROMOTE, Outcome.PIN, Outcome.INCONCLUSIVE
 FINAL = (PROMOTE, PIN, INCONCLUSIVE)
 
-MIN_FAIL_FAST_EVENTS = 3  # never fail fast on one or two unlucky events
-MIN_LATENCY_PAIRS = 30
+PIN_FAMILIES = 6  # errors, outputs, classes, p50, tail, recent window: each gets 1/6 of the pin error
+MIN_FAIL_FAST_EVENTS = 3  # never pin on one or two unlucky events
+MIN_LATENCY_PAIRS = 50
+BLOCK = 50  # comparisons per block for the design effect (sidecar.state keeps per-block counts)
 BOOTSTRAP_RESAMPLES = 200
-BOOTSTRAP_MAX_PAIRS = 2000  # the most recent pairs; bounds the judge's CPU cost per look
+BOOTSTRAP_MAX_PAIRS = 2000  # the most recent pairs of a look; bounds the judge's CPU cost
+TAIL_FACTOR = 1.5  # a tail pair is beyond the limit times (or divided by) this
+# A promotion waits while an estimate that is not a pin test (a class's or the recent window's p50, the p95
+# ratio) shows the candidate beyond the limit at this confidence: sized to the noise, not to the point estimate.
+HOLD_CONFIDENCE = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +76,23 @@ class JudgeParams:
     required_speedup: float = 1.0
     latency_slack: float = 0.05
     confidence: float = 0.99
-
-    @property
-    def z(self) -> float:
-        return NormalDist().inv_cdf(self.confidence)
+    min_duration_s: float = 30.0  # wall-clock coverage before a promotion
+    min_class_samples: int = 10  # comparisons each expected request class needs before a promotion
+    recent_window: int = 400  # pairs (and comparisons) in the recent-window checks
+    max_memory_ratio: float = 1.5  # largest candidate/baseline memory ratio (both measured) before a pin
 
     @property
     def max_ratio(self) -> float:
         """Largest candidate/baseline latency ratio that is still acceptable."""
         return (1.0 + self.latency_slack) / self.required_speedup
+
+    @property
+    def alpha(self) -> float:
+        return 1.0 - self.confidence
+
+    @property
+    def pin_confidence(self) -> float:
+        return 1.0 - self.alpha / PIN_FAMILIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +104,30 @@ class Evidence:
     sent: int = 0  # candidate mirror requests finished (ok, error or timeout)
     errors: int = 0
     timeouts: int = 0
-    primary_s: Sequence[float] = ()  # paired latencies, same request on both versions
+    aa_sent: int = 0  # baseline replays finished, and how many failed: the baseline's own error rate
+    aa_errors: int = 0
+    # Requests replayed to both versions (shadow pairing replays every sampled request to the baseline too):
+    # the discordant ones carry the difference between the two rates, without the noise both share.
+    paired_sent: int = 0  # both answered (or failed)
+    cand_only_errors: int = 0
+    aa_only_errors: int = 0
+    paired_compared: int = 0  # both compared with the primary
+    cand_only_oot: int = 0
+    aa_only_oot: int = 0
+    primary_s: Sequence[float] = ()  # paired latencies (the most recent ones held), same request on both versions
     candidate_s: Sequence[float] = ()
+    pair_class: Sequence[str] = ()  # request class of each held pair ("" unknown)
+    pairs_total: int = 0  # pairs ever recorded; 0 means len(primary_s)
+    blocks: Sequence[int] = ()  # out-of-tolerance count of each completed block of BLOCK comparisons
+    classes: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)  # class -> [compared, oot]
+    expected_classes: Mapping[str, float] = dataclasses.field(default_factory=dict)  # class -> traffic share
+    started: float | None = None  # when evidence began (None: duration not checked)
+    memory: Mapping[str, float] = dataclasses.field(default_factory=dict)  # role -> peak bytes seen
 
 
 @dataclasses.dataclass(frozen=True)
 class Judgement:
-    outcome: str
+    outcome: Outcome
     reasons: tuple[str, ...]
     stats: dict[str, Any]
 
@@ -85,28 +136,21 @@ class Judgement:
         return self.outcome in FINAL
 
     def to_dict(self) -> dict[str, Any]:
-        return {"outcome": self.outcome, "reasons": list(self.reasons), "stats": self.stats}
+        return {"outcome": str(self.outcome), "reasons": list(self.reasons), "stats": self.stats}
 
 
-def wilson_bounds(k: int, n: int, z: float) -> tuple[float, float]:
-    """One-sided Wilson score bounds (lower, upper) of a binomial rate at quantile z."""
-    if n <= 0:
-        return 0.0, 1.0
-    p = k / n
-    denom = 1.0 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def median_ratio(primary: npt.NDArray[np.float64], candidate: npt.NDArray[np.float64], z: float) -> tuple[float, float, float]:
-    """Median of per-request ratios candidate/primary with a sign-test (order statistic) interval."""
-    d = np.sort(np.log(candidate) - np.log(primary))
-    n = d.size
-    half = z * math.sqrt(n) / 2.0
-    lo = max(0, math.floor(n / 2.0 - half))
-    hi = min(n - 1, math.ceil(n / 2.0 + half))
-    return float(np.exp(np.median(d))), float(np.exp(d[lo])), float(np.exp(d[hi]))
+# -- statistics -------------------------------------------------------------------------------
+def design_effect(blocks: Sequence[int], block: int = BLOCK) -> float:
+    """Variance of per-block counts over the binomial's (>= 1): how much clustered mismatches shrink the evidence."""
+    b = np.asarray(blocks, dtype=np.float64)
+    if b.size < 2 or b.sum() < MIN_FAIL_FAST_EVENTS:
+        return 1.0
+    p = b.sum() / (b.size * block)
+    if p >= 1.0:
+        return 1.0
+    var_binomial = block * p * (1.0 - p)
+    var_observed = float(((b - block * p) ** 2).mean())
+    return max(1.0, var_observed / var_binomial)
 
 
 def _q95_rows(a: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
@@ -115,129 +159,309 @@ def _q95_rows(a: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     return np.partition(a, k, axis=-1)[..., k]
 
 
-def p95_ratio(primary: npt.NDArray[np.float64], candidate: npt.NDArray[np.float64], confidence: float) -> tuple[float, float, float]:
-    """Ratio of p95s with a paired percentile bootstrap, seeded from the data (deterministic)."""
-    primary, candidate = primary[-BOOTSTRAP_MAX_PAIRS:], candidate[-BOOTSTRAP_MAX_PAIRS:]
+@functools.lru_cache(maxsize=256)
+def _p95_bootstrap(primary: bytes, candidate: bytes, alpha: float) -> tuple[float, float, float]:
+    p = np.frombuffer(primary, dtype=np.float64)
+    c = np.frombuffer(candidate, dtype=np.float64)
+    return p95_ratio(p, c, alpha)
+
+
+def p95_ratio(primary: npt.NDArray[np.float64], candidate: npt.NDArray[np.float64],
+              alpha: float) -> tuple[float, float, float]:  # fmt: skip
+    """Ratio of p95s with a paired percentile bootstrap seeded from the data: (point, lower, upper) at 1 - alpha each."""
     n = primary.size
     point = float(_q95_rows(candidate) / _q95_rows(primary))
     rng = np.random.default_rng([n, int(primary.sum() * 1e6) & 0xFFFFFFFF])
     idx = rng.integers(0, n, size=(BOOTSTRAP_RESAMPLES, n))
     ratios = np.sort(_q95_rows(candidate[idx]) / _q95_rows(primary[idx]))
-    alpha = 1.0 - confidence
-    lo = ratios[math.floor(alpha * (BOOTSTRAP_RESAMPLES - 1))]
-    hi = ratios[math.ceil((1.0 - alpha) * (BOOTSTRAP_RESAMPLES - 1))]
+    # The extreme resamples stand for bounds beyond 1/RESAMPLES: never tighter than the sample allows.
+    lo = ratios[max(0, math.floor(alpha * (BOOTSTRAP_RESAMPLES - 1)))]
+    hi = ratios[min(BOOTSTRAP_RESAMPLES - 1, math.ceil((1.0 - alpha) * (BOOTSTRAP_RESAMPLES - 1)))]
     return point, float(lo), float(hi)
 
 
-def _latency(ev: Evidence, z: float) -> dict[str, Any] | None:
-    p = np.asarray(ev.primary_s, dtype=np.float64)
-    c = np.asarray(ev.candidate_s, dtype=np.float64)
-    n = min(p.size, c.size)
-    if n < MIN_LATENCY_PAIRS:
-        return None
-    p, c = np.maximum(p[-n:], 1e-6), np.maximum(c[-n:], 1e-6)
-    m, m_lo, m_hi = median_ratio(p, c, z)
-    return {
-        "pairs": n,
-        "primary_p50_ms": float(np.median(p) * 1e3),
-        "candidate_p50_ms": float(np.median(c) * 1e3),
-        "primary_p95_ms": float(_q95_rows(p) * 1e3),
-        "candidate_p95_ms": float(_q95_rows(c) * 1e3),
-        "p50_ratio": m,
-        "p50_ratio_lower": m_lo,
-        "p50_ratio_upper": m_hi,
-        "_arrays": (p, c),
-    }
+def _spent(alpha: float, look: int) -> float:
+    """The share of `alpha` spent at look 1, 2, ...: 6/(pi^2 j^2) sums to 1."""
+    return alpha * 6.0 / (math.pi**2 * look * look)
 
 
-def _add_p95(lat: dict[str, Any], confidence: float) -> None:
-    # The bootstrap is the judge's only costly step: it runs once everything cheaper is settled.
-    p, c = lat["_arrays"]
-    q, q_lo, q_hi = p95_ratio(p, c, confidence)
-    lat.update(p95_ratio=q, p95_ratio_lower=q_lo, p95_ratio_upper=q_hi)
+def difference_bounds(k: float, n: float, aa_k: float, aa_n: float, plus: float, minus: float, paired: float,
+                      params: JudgeParams) -> tuple[float, float]:  # fmt: skip
+    """(lower at the pin's confidence, upper at the promotion's) of rate(candidate) - rate(baseline).
+
+    Upper: the smaller of the candidate's own upper bound (the baseline's rate is >= 0) and the paired
+    difference's (requests sent to both versions: only the discordant ones count), half the error each.
+    Lower: the paired difference's where most requests went to both, else the candidate's lower bound less
+    the baseline's upper bound; without any replay to the baseline it is taken as clean.
+    """
+    a, a_pin = params.alpha, params.alpha / PIN_FAMILIES
+    upper = rate_upper(k, n, 1 - a / 2)
+    if paired > 0:
+        upper = min(upper, difference_upper(plus, minus, paired, 1 - a / 2))
+    if paired >= n / 2 and paired > 0:
+        lower = difference_lower(plus, minus, paired, 1 - a_pin)
+    else:
+        aa_hi = rate_upper(aa_k, aa_n, 1 - a_pin / 2) if aa_n > 0 else 0.0
+        lower = (rate_lower(k, n, 1 - a_pin / 2) if k >= MIN_FAIL_FAST_EVENTS else 0.0) - aa_hi
+    return lower, upper
+
+
+# -- the judge --------------------------------------------------------------------------------
+class _Look:
+    """One look at the evidence: the checks, each adding to stats and to the pin or missing lists."""
+
+    def __init__(self, ev: Evidence, params: JudgeParams, now: float) -> None:
+        self.ev, self.params, self.now = ev, params, now
+        self.limit = params.max_ratio
+        self.pin: list[str] = []
+        self.missing: list[str] = []
+        self.stats: dict[str, Any] = {
+            "confidence": params.confidence,
+            "min_samples": params.min_samples,
+            "max_latency_ratio": self.limit,
+            "compared": ev.compared,
+            "sent": ev.sent,
+            "errors": ev.errors,
+            "timeouts": ev.timeouts,
+        }
+        self.aa_oot_bounds = self._aa_bounds(ev.aa_out_of_tolerance, ev.aa_compared)
+        self._tail_arrays: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None
+
+    def tail_within(self) -> None:
+        """The last promotion check (a bootstrap, the judge's costly step): a p95 ratio shown above the limit at
+        HOLD_CONFIDENCE holds the promotion back; a noisy tail that is only as wide as its noise does not."""
+        if self._tail_arrays is None or self.stats.get("latency") is None:
+            return
+        _, lo, hi = _p95_bootstrap(self._tail_arrays[0].tobytes(), self._tail_arrays[1].tobytes(), 1 - HOLD_CONFIDENCE)
+        self.stats["latency"].update(p95_ratio_lower=lo, p95_ratio_upper=hi)
+        if lo > self.limit:
+            self.missing.append(f"p95 ratio {self.stats['latency']['p95_ratio']:.3f} above {self.limit:.3f} "
+                                f"(lower bound {lo:.3f})")  # fmt: skip
+
+    def _aa_bounds(self, k: int, n: int) -> tuple[float, float, float]:
+        """Baseline rate bounds for the difference tests: (lower at promotion's share, upper at the pin's)."""
+        if n <= 0:
+            return 0.0, 0.0, 0.0  # no replays: the baseline is taken as clean, which only makes pins harder
+        a = self.params.alpha
+        return k / n, rate_lower(k, n, 1 - a / 2), rate_upper(k, n, 1 - a / PIN_FAMILIES / 2)
+
+    def errors(self) -> None:
+        ev, p = self.ev, self.params
+        failures = ev.errors + ev.timeouts
+        base = ev.aa_errors / ev.aa_sent if ev.aa_sent else 0.0
+        lo = rate_lower(failures, ev.sent, 1 - p.alpha / PIN_FAMILIES / 2) if failures >= MIN_FAIL_FAST_EVENTS else 0.0
+        hi = rate_upper(failures, ev.sent, 1 - p.alpha / 2)
+        diff_lo, diff_hi = difference_bounds(failures, ev.sent, ev.aa_errors, ev.aa_sent, ev.cand_only_errors,
+                                             ev.aa_only_errors, ev.paired_sent, p)  # fmt: skip
+        self.stats.update(error_rate=failures / ev.sent if ev.sent else 0.0, error_rate_lower=lo,
+                          error_rate_upper=hi, baseline_error_rate=base, error_budget=p.error_budget,
+                          error_difference_lower=diff_lo, error_difference_upper=diff_hi)  # fmt: skip
+        if failures >= MIN_FAIL_FAST_EVENTS and diff_lo > p.error_budget:
+            self.pin.append(f"candidate failed {failures} of {ev.sent} requests (error rate above the baseline's "
+                            f"by >= {diff_lo:.3%}, budget {p.error_budget:.3%})")  # fmt: skip
+        elif diff_hi > p.error_budget:
+            self.missing.append(f"error rate not shown within budget over the baseline's (difference <= {diff_hi:.3%})")
+
+    def outputs(self) -> None:
+        ev, p = self.ev, self.params
+        aa, aa_lo, aa_hi = self.aa_oot_bounds
+        deff = design_effect(ev.blocks)
+        k, n = ev.out_of_tolerance / deff, ev.compared / deff
+        lo = rate_lower(k, n, 1 - p.alpha / PIN_FAMILIES / 2) if ev.out_of_tolerance >= MIN_FAIL_FAST_EVENTS else 0.0
+        hi = rate_upper(k, n, 1 - p.alpha / 2)
+        diff_lo, diff_hi = difference_bounds(k, n, ev.aa_out_of_tolerance, ev.aa_compared, ev.cand_only_oot / deff,
+                                             ev.aa_only_oot / deff, ev.paired_compared / deff, p)  # fmt: skip
+        self.stats.update(oot_difference_lower=diff_lo, oot_difference_upper=diff_hi)
+        self.stats.update(out_of_tolerance=ev.out_of_tolerance, oot_rate=ev.out_of_tolerance / ev.compared
+                          if ev.compared else 0.0, oot_rate_lower=lo, oot_rate_upper=hi, oot_budget=p.oot_budget,
+                          aa_compared=ev.aa_compared, aa_out_of_tolerance=ev.aa_out_of_tolerance, aa_rate=aa,
+                          aa_rate_lower=aa_lo, aa_rate_upper=aa_hi, design_effect=deff)  # fmt: skip
+        if ev.out_of_tolerance >= MIN_FAIL_FAST_EVENTS and diff_lo > p.oot_budget:
+            self.pin.append(f"{ev.out_of_tolerance} of {ev.compared} responses out of tolerance (rate above the "
+                            f"A/A rate by >= {diff_lo:.3%} > budget {p.oot_budget:.3%}"
+                            + (f"; clustered, design effect {deff:.1f})" if deff > 1 else ")"))  # fmt: skip
+        elif diff_hi > p.oot_budget:
+            self.missing.append(f"out-of-tolerance rate not shown within budget over the A/A rate "
+                                f"(difference <= {diff_hi:.3%}, budget {p.oot_budget:.3%})")  # fmt: skip
+
+    def classes(self) -> None:
+        ev, p = self.ev, self.params
+        aa_hi = self.aa_oot_bounds[2]
+        seen = {c: (int(v[0]), int(v[1])) for c, v in ev.classes.items() if v and v[0] > 0}
+        conf = 1 - p.alpha / PIN_FAMILIES / max(1, len(seen))
+        per: dict[str, Any] = {}
+        for cls, (n, k) in sorted(seen.items()):
+            lo = rate_lower(k, n, conf)
+            per[cls] = {"compared": n, "out_of_tolerance": k, "oot_rate_lower": lo}
+            if k >= MIN_FAIL_FAST_EVENTS and lo - aa_hi > p.oot_budget:
+                self.pin.append(f"request class {cls}: {k} of {n} responses out of tolerance "
+                                f"(rate >= {lo:.3%} > budget {p.oot_budget:.3%})")  # fmt: skip
+        uncovered = sorted(c for c, share in ev.expected_classes.items()
+                           if share > 0 and seen.get(c, (0, 0))[0] < p.min_class_samples)  # fmt: skip
+        if uncovered:
+            self.missing.append(f"request classes not yet covered ({p.min_class_samples} comparisons each): "
+                                + ", ".join(uncovered[:8]) + (" ..." if len(uncovered) > 8 else ""))  # fmt: skip
+        self.stats["classes"] = per
+
+    def latency(self) -> None:
+        ev, p = self.ev, self.params
+        n = min(len(ev.primary_s), len(ev.candidate_s))
+        if n < MIN_LATENCY_PAIRS:
+            self.stats["latency"] = None
+            self.missing.append(f"too few latency pairs ({n} of {MIN_LATENCY_PAIRS})")
+            return
+        prim = np.maximum(np.asarray(ev.primary_s[-n:], dtype=np.float64), 1e-9)
+        cand = np.maximum(np.asarray(ev.candidate_s[-n:], dtype=np.float64), 1e-9)
+        ratio = cand / prim
+        above = ratio > self.limit
+        s = int(above.sum())
+        # A lower bound never exceeds its estimate: skip it where it cannot reach one half.
+        lo = rate_lower(s, n, p.pin_confidence) if s / n > 0.5 else 0.0
+        hi = rate_upper(s, n, p.confidence)
+        lat: dict[str, Any] = {
+            "pairs": n,
+            "primary_p50_ms": float(np.median(prim) * 1e3),
+            "candidate_p50_ms": float(np.median(cand) * 1e3),
+            "primary_p95_ms": float(_q95_rows(prim) * 1e3),
+            "candidate_p95_ms": float(_q95_rows(cand) * 1e3),
+            "p50_ratio": float(np.median(ratio)),
+            "share_above_limit": s / n,
+            "share_above_limit_lower": lo,
+            "share_above_limit_upper": hi,
+        }
+        self.stats["latency"] = lat
+        if lo > 0.5:
+            self.pin.append(f"candidate is slower: p50 ratio {lat['p50_ratio']:.3f} > allowed {self.limit:.3f} "
+                            f"({s} of {n} pairs above it, share >= {lo:.1%})")  # fmt: skip
+        elif hi >= 0.5:
+            self.missing.append(f"p50 ratio {lat['p50_ratio']:.3f} not shown within {self.limit:.3f} "
+                                f"({s} of {n} pairs above it, share <= {hi:.1%})")  # fmt: skip
+        self._latency_by_class(ratio, n)
+        self._tail(prim, cand, lat)
+        self._recent(ratio, n)
+
+    def _latency_by_class(self, ratio: npt.NDArray[np.float64], n: int) -> None:
+        labels = list(self.ev.pair_class[-n:]) if len(self.ev.pair_class) >= n else []
+        if not labels:
+            return
+        arr = np.asarray(labels)
+        names = [c for c in sorted(set(labels)) if c]
+        if len(names) < 2:
+            return
+        conf = 1 - self.params.alpha / PIN_FAMILIES / len(names)
+        per = self.stats.setdefault("classes", {})
+        for cls in names:
+            r = ratio[arr == cls]
+            if r.size < MIN_LATENCY_PAIRS // 2:
+                continue
+            s = int((r > self.limit).sum())
+            lo = rate_lower(s, r.size, conf) if s / r.size > 0.5 else 0.0
+            per.setdefault(cls, {}).update(pairs=int(r.size), p50_ratio=float(np.median(r)), share_above_lower=lo)
+            if lo > 0.5:
+                self.pin.append(f"candidate is slower on request class {cls}: p50 ratio {np.median(r):.3f} > "
+                                f"allowed {self.limit:.3f} ({s} of {r.size} pairs above it)")  # fmt: skip
+            elif s / r.size > 0.5 and rate_lower(s, r.size, HOLD_CONFIDENCE) > 0.5:
+                self.missing.append(f"request class {cls}: p50 ratio {np.median(r):.3f} above {self.limit:.3f}")
+
+    def _tail(self, prim: npt.NDArray[np.float64], cand: npt.NDArray[np.float64], lat: dict[str, Any]) -> None:
+        """Pairs far above the limit against pairs as far below it: a tail regression shows up as outliers.
+
+        Centred on the limit, a candidate within it (and noise that hits both versions alike) has no more pairs
+        beyond limit * TAIL_FACTOR than below limit / TAIL_FACTOR; a slow tail (a few per cent of requests several
+        times slower) piles up on one side, and the anytime sign test over those pairs pins it long before a
+        p95 estimate settles.
+        """
+        recent = min(prim.size, BOOTSTRAP_MAX_PAIRS)
+        point = float(_q95_rows(cand[-recent:]) / _q95_rows(prim[-recent:]))
+        ratio = cand / prim
+        up = int((ratio > self.limit * TAIL_FACTOR).sum())
+        down = int((ratio < self.limit / TAIL_FACTOR).sum())
+        lo = rate_lower(up, up + down, self.params.pin_confidence) if up > down else 0.0
+        lat.update(p95_ratio=point, tail_pairs_above=up, tail_pairs_below=down, tail_share_lower=lo)
+        if up >= MIN_FAIL_FAST_EVENTS and lo > 0.5:
+            self.pin.append(f"candidate is slower in the tail: {up} pairs above {self.limit * TAIL_FACTOR:.2f}x "
+                            f"against {down} below {self.limit / TAIL_FACTOR:.2f}x (p95 ratio {point:.3f})")  # fmt: skip
+            return
+        self._tail_arrays = (prim[-recent:], cand[-recent:])
+
+    def _recent(self, ratio: npt.NDArray[np.float64], n: int) -> None:
+        w = self.params.recent_window
+        total = self.ev.pairs_total or n
+        step = max(1, w // 2)
+        j = total // step
+        end = n - (total - j * step)
+        if total < w or end - w < 0:
+            return
+        window = ratio[end - w:end]
+        s = int((window > self.limit).sum())
+        lo = 0.0 if s / w <= 0.5 else rate_lower(s, w, 1 - _spent(self.params.alpha / PIN_FAMILIES / 2, max(1, j - 1)))
+        self.stats["latency"]["recent"] = {"pairs": w, "p50_ratio": float(np.median(window)), "share_above_lower": lo}
+        if lo > 0.5:
+            self.pin.append(f"candidate became slower: p50 ratio {np.median(window):.3f} over the last {w} pairs "
+                            f"> allowed {self.limit:.3f}")  # fmt: skip
+        elif s / w > 0.5 and rate_lower(s, w, HOLD_CONFIDENCE) > 0.5:
+            self.missing.append(f"the last {w} pairs' p50 ratio {np.median(window):.3f} is above {self.limit:.3f}")
+
+    def recent_outputs(self) -> None:
+        ev, p = self.ev, self.params
+        per = max(1, p.recent_window // BLOCK)
+        step = max(1, per // 2)
+        nb = len(ev.blocks)
+        if nb < per:
+            return
+        j = nb // step
+        window = ev.blocks[j * step - per:j * step]
+        if len(window) < per:
+            return
+        k, n = int(sum(window)), per * BLOCK
+        lo = rate_lower(k / design_effect(window), n / design_effect(window),
+                        1 - _spent(p.alpha / PIN_FAMILIES / 2, max(1, j - 1)))  # fmt: skip
+        if k >= MIN_FAIL_FAST_EVENTS and lo - self.aa_oot_bounds[2] > p.oot_budget:
+            self.pin.append(f"{k} of the last {n} responses out of tolerance (rate >= {lo:.3%} "
+                            f"> budget {p.oot_budget:.3%})")  # fmt: skip
+
+    def memory(self) -> None:
+        """Pin a candidate whose instances take more than `max_memory_ratio` times the baseline's memory (both known)."""
+        cand, base = self.ev.memory.get("candidate", 0.0), self.ev.memory.get("baseline", 0.0)
+        limit = self.params.max_memory_ratio
+        ratio = cand / base if cand > 0 and base > 0 else None
+        self.stats["memory"] = {"candidate_bytes": cand or None, "baseline_bytes": base or None, "ratio": ratio,
+                                "max_ratio": limit}  # fmt: skip
+        if ratio is not None and ratio > limit:
+            self.pin.append(f"candidate takes more memory: {cand / 2**20:.1f} MiB against the baseline's "
+                            f"{base / 2**20:.1f} MiB (ratio {ratio:.2f} > allowed {limit:.2f})")  # fmt: skip
+
+    def coverage(self) -> None:
+        ev, p = self.ev, self.params
+        if ev.compared < p.min_samples:
+            self.missing.insert(0, f"only {ev.compared} of {p.min_samples} samples compared")
+        if ev.started is not None and self.now - ev.started < p.min_duration_s:
+            self.missing.insert(0, f"only {self.now - ev.started:.0f} s of {p.min_duration_s:g} s of traffic seen")
 
 
 def judge(ev: Evidence, params: JudgeParams, *, now: float, deadline: float) -> Judgement:
-    z = params.z
-    failures = ev.errors + ev.timeouts
-    err_lo, err_hi = wilson_bounds(failures, ev.sent, z)
-    oot_lo = wilson_bounds(ev.out_of_tolerance, ev.compared, z)[0]
-    # The promotion bound is checked at every look; spending half the error rate on it keeps a
-    # candidate exactly at the budget below the target false-promotion rate despite the peeking.
-    oot_hi = wilson_bounds(ev.out_of_tolerance, ev.compared, NormalDist().inv_cdf(1 - (1 - params.confidence) / 2))[1]
-    aa_rate = ev.aa_out_of_tolerance / ev.aa_compared if ev.aa_compared else 0.0
-    lat = _latency(ev, z)
-    limit = params.max_ratio
-    allowed_oot = params.oot_budget + aa_rate  # the baseline's own non-determinism is no regression
-    stats: dict[str, Any] = {
-        "compared": ev.compared,
-        "out_of_tolerance": ev.out_of_tolerance,
-        "oot_rate": ev.out_of_tolerance / ev.compared if ev.compared else 0.0,
-        "oot_rate_lower": oot_lo,
-        "oot_rate_upper": oot_hi,
-        "oot_budget": params.oot_budget,
-        "aa_compared": ev.aa_compared,
-        "aa_out_of_tolerance": ev.aa_out_of_tolerance,
-        "aa_rate": aa_rate,
-        "sent": ev.sent,
-        "errors": ev.errors,
-        "timeouts": ev.timeouts,
-        "error_rate_lower": err_lo,
-        "error_rate_upper": err_hi,
-        "error_budget": params.error_budget,
-        "max_latency_ratio": limit,
-        "latency": lat,
-        "confidence": params.confidence,
-        "min_samples": params.min_samples,
-    }
-
-    def done(outcome: str, *reasons: str) -> Judgement:
-        if lat is not None:
-            lat.pop("_arrays", None)
-        return Judgement(outcome, tuple(reasons), stats)
-
-    if failures >= MIN_FAIL_FAST_EVENTS and err_lo > params.error_budget:
-        return done(PIN, f"candidate failed {failures} of {ev.sent} requests "
-                         f"(error rate >= {err_lo:.3%} > budget {params.error_budget:.3%})")  # fmt: skip
-    # Failing fast needs the candidate clearly above the noise floor's upper bound, not its estimate.
-    aa_hi = wilson_bounds(ev.aa_out_of_tolerance, ev.aa_compared, z)[1] if ev.aa_compared else 0.0
-    if ev.out_of_tolerance >= MIN_FAIL_FAST_EVENTS and oot_lo > params.oot_budget + aa_hi:
-        return done(PIN, f"{ev.out_of_tolerance} of {ev.compared} responses out of tolerance "
-                         f"(rate >= {oot_lo:.3%} > budget {params.oot_budget:.3%} + A/A {aa_hi:.3%})")  # fmt: skip
-    if lat is not None and lat["p50_ratio_lower"] > limit:
-        return done(PIN, f"candidate is slower: p50 ratio {lat['p50_ratio']:.3f} "
-                         f"(>= {lat['p50_ratio_lower']:.3f}) > allowed {limit:.3f}")  # fmt: skip
-
-    missing: list[str] = []
-    if ev.compared < params.min_samples:
-        missing.append(f"only {ev.compared} of {params.min_samples} samples compared")
-    else:
-        if oot_hi > allowed_oot:
-            missing.append(f"out-of-tolerance rate not shown below budget (upper bound {oot_hi:.3%} > "
-                           f"{params.oot_budget:.3%} + A/A {aa_rate:.3%})")  # fmt: skip
-        if err_hi > params.error_budget:
-            missing.append(f"error rate not shown below budget (upper bound {err_hi:.3%})")
-        if lat is None:
-            missing.append("too few latency pairs")
-        elif lat["p50_ratio_upper"] > limit:
-            missing.append(f"p50 ratio not shown within {limit:.3f} (upper bound {lat['p50_ratio_upper']:.3f})")
-        if not missing:
-            assert lat is not None
-            _add_p95(lat, params.confidence)
-            if lat["p95_ratio_lower"] > limit:
-                return done(PIN, f"candidate is slower in the tail: p95 ratio {lat['p95_ratio']:.3f} "
-                                 f"(>= {lat['p95_ratio_lower']:.3f}) > allowed {limit:.3f}")  # fmt: skip
-            if lat["p95_ratio_upper"] > limit:
-                missing.append(f"p95 ratio not shown within {limit:.3f} (upper bound {lat['p95_ratio_upper']:.3f})")
-        if not missing:
-            assert lat is not None
-            return done(
-                PROMOTE,
-                f"{ev.compared} samples: out-of-tolerance rate <= {oot_hi:.3%} (allowed {allowed_oot:.3%})",
-                f"error rate <= {err_hi:.3%} (budget {params.error_budget:.3%})",
-                f"latency ratio p50 {lat['p50_ratio']:.3f} (<= {lat['p50_ratio_upper']:.3f}), "
-                f"p95 {lat['p95_ratio']:.3f} (<= {lat['p95_ratio_upper']:.3f}), allowed {limit:.3f}",
-            )
+    look = _Look(ev, params, now)
+    look.errors()
+    look.outputs()
+    look.classes()
+    look.latency()
+    look.recent_outputs()
+    look.memory()
+    look.coverage()
+    if look.pin:
+        return Judgement(PIN, tuple(look.pin), look.stats)
+    if not look.missing:
+        look.tail_within()
+    if not look.missing:
+        s, lat = look.stats, look.stats["latency"]
+        return Judgement(PROMOTE, (
+            (f"{ev.compared} samples: out-of-tolerance rate above the A/A rate by <= {s['oot_difference_upper']:.3%} "
+             f"(budget {params.oot_budget:.3%})"),
+            f"error rate above the baseline's by <= {s['error_difference_upper']:.3%} (budget {params.error_budget:.3%})",
+            (f"latency ratio p50 {lat['p50_ratio']:.3f} (share of pairs above {look.limit:.3f} <= "
+             f"{lat['share_above_limit_upper']:.1%}), p95 {lat['p95_ratio']:.3f}"),
+        ), look.stats)  # fmt: skip
     if now >= deadline:
-        return done(INCONCLUSIVE, "deadline reached without a clear answer; the baseline stays", *missing)
-    return done(CONTINUE, *missing)
+        return Judgement(INCONCLUSIVE, ("deadline reached without a clear answer; the baseline stays", *look.missing),
+                         look.stats)  # fmt: skip
+    return Judgement(CONTINUE, tuple(look.missing), look.stats)

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from sidecar.judge import Evidence
+from sidecar.judge import BLOCK, Evidence
 from tunegate.records import JsonlLog, atomic_write_bytes, atomic_write_json
 
 # orjson: json.dumps with an indent runs the pure-Python encoder, ~9 ms per save with 4000 latency pairs,
@@ -26,6 +26,8 @@ _STATE_JSON = orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KE
 STATE_VERSION = 1
 MAX_LATENCY_PAIRS = 4000  # the judge looks at the most recent pairs; older ones add little
 MAX_EXEMPLARS = 10
+MAX_BLOCKS = 20_000  # a million comparisons of history for the design effect
+MAX_CLASSES = 64  # request classes with their own counts; the rest share "other"
 
 
 class StateError(RuntimeError):
@@ -43,44 +45,96 @@ class EvidenceCounter:
     sent: int = 0
     errors: int = 0
     timeouts: int = 0
+    aa_sent: int = 0
+    aa_errors: int = 0
+    paired_sent: int = 0
+    cand_only_errors: int = 0
+    aa_only_errors: int = 0
+    paired_compared: int = 0
+    cand_only_oot: int = 0
+    aa_only_oot: int = 0
     primary_s: list[float] = dataclasses.field(default_factory=list)
     candidate_s: list[float] = dataclasses.field(default_factory=list)
+    pair_class: list[str] = dataclasses.field(default_factory=list)
+    pairs_total: int = 0
+    blocks: list[int] = dataclasses.field(default_factory=list)  # out-of-tolerance count per BLOCK comparisons
+    block_compared: int = 0  # comparisons in the block being filled
+    block_oot: int = 0
+    classes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # class -> [compared, oot]
+    expected_classes: dict[str, float] = dataclasses.field(default_factory=dict)
+    started: float | None = None
     exemplars: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    memory: dict[str, float] = dataclasses.field(default_factory=dict)  # role -> peak bytes seen (sidecar.memory)
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> sampled requests not mirrored
 
-    def add_pair(self, primary_s: float, candidate_s: float) -> None:
+    def add_pair(self, primary_s: float, candidate_s: float, request_class: str = "") -> None:
         """Keep the most recent MAX_LATENCY_PAIRS pairs (the lists run up to twice that between trims: a trim per
         pair moved the whole list every time)."""
         self.primary_s.append(primary_s)
         self.candidate_s.append(candidate_s)
+        self.pair_class.append(request_class)
+        self.pairs_total += 1
         if len(self.primary_s) >= 2 * MAX_LATENCY_PAIRS:
             self._trim()
 
+    def add_comparison(self, passed: bool, request_class: str = "") -> None:
+        """One candidate response compared with the primary's: totals, the current block and its class."""
+        self.compared += 1
+        self.block_compared += 1
+        if not passed:
+            self.out_of_tolerance += 1
+            self.block_oot += 1
+        if self.block_compared >= BLOCK:
+            self.blocks.append(self.block_oot)
+            self.block_compared = self.block_oot = 0
+            if len(self.blocks) > MAX_BLOCKS:
+                del self.blocks[: len(self.blocks) - MAX_BLOCKS]
+        if request_class:
+            counts = self.classes.get(request_class)
+            if counts is None:
+                if len(self.classes) >= MAX_CLASSES:
+                    request_class = "other"
+                counts = self.classes.setdefault(request_class, [0, 0])
+            counts[0] += 1
+            counts[1] += 0 if passed else 1
+
     def _trim(self) -> None:
-        del self.primary_s[: len(self.primary_s) - MAX_LATENCY_PAIRS]
-        del self.candidate_s[: len(self.candidate_s) - MAX_LATENCY_PAIRS]
+        excess = len(self.primary_s) - MAX_LATENCY_PAIRS
+        if excess > 0:  # (a negative slice start would keep only the last -excess pairs)
+            del self.primary_s[:excess]
+            del self.candidate_s[:excess]
+            del self.pair_class[: max(0, len(self.pair_class) - MAX_LATENCY_PAIRS)]
 
     def add_exemplar(self, exemplar: dict[str, Any]) -> None:
         if len(self.exemplars) < MAX_EXEMPLARS:
             self.exemplars.append(exemplar)
 
     def snapshot(self) -> Evidence:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(Evidence)}
         self._trim()
-        values["primary_s"], values["candidate_s"] = tuple(self.primary_s), tuple(self.candidate_s)
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(Evidence):
+            v = getattr(self, f.name)
+            values[f.name] = tuple(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+        values["classes"] = {k: tuple(v) for k, v in self.classes.items()}
         return Evidence(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """Fresh lists (C-speed copies): called on the event loop every judge tick, serialised in a thread."""
         self._trim()
-        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["primary_s"], d["candidate_s"] = list(self.primary_s), list(self.candidate_s)
-        d["exemplars"] = list(self.exemplars)
+        d: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+        d["classes"] = {k: list(v) for k, v in self.classes.items()}
         return d
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> EvidenceCounter:
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        ev = cls(**{k: v for k, v in raw.items() if k in known})
+        if len(ev.pair_class) != len(ev.primary_s):  # a state file written before classes were kept
+            ev.pair_class = [""] * len(ev.primary_s)
+        return ev
 
 
 class StateStore:

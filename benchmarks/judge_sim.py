@@ -1,0 +1,285 @@
+"""The canary judge as a statistical procedure: false promotion, false pin and samples to a decision, per scenario.
+
+Each scenario is a stream of mirrored requests as the sidecar sees them: request classes (batch buckets
+with their own base latency), paired latencies (a contention factor common to both versions of a pair,
+each version's own jitter, spikes, heavy tails, drift), out-of-tolerance outcomes (independent, clustered
+in runs, tied to one request class), errors and timeouts on either side, A/A replays. The judge
+(`sidecar.judge.judge`, unchanged) is asked every LOOK samples, as the sidecar asks it once a second, up
+to the deadline. Each scenario runs over SEEDS seeds.
+
+    python benchmarks/judge_sim.py                      # every scenario, 1000 seeds each
+    python benchmarks/judge_sim.py --seeds 200 --only identical-jitter --json
+
+The peer is Kayenta's fixed-horizon Mann-Whitney test (one-sided, alpha 1%): the fewest samples at which it
+pins a 10% slower candidate in 99% of seeds, against the judge's median samples to the same decision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sidecar.judge import BLOCK, INCONCLUSIVE, PIN, PROMOTE, Evidence, JudgeParams, judge
+
+CLASSES = (("b1", 0.55, 1.0), ("b2", 0.2, 1.5), ("b4", 0.13, 2.3), ("b8", 0.08, 3.6), ("b16", 0.04, 5.8))
+WARMUP = 20  # first candidate answers: compared, latency not paired (the canary's warmup_samples)
+MAX_PAIRS = 4000  # what sidecar.state holds
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    truth: str  # "good" (should promote), "bad" (should not promote), "edge" (at a limit: reported only)
+    what: str
+    latency_ratio: float = 1.0
+    jitter: float = 0.08  # per-side lognormal sigma
+    contention: float = 0.35  # common-mode lognormal sigma
+    spikes: float = 0.0  # share of samples, per side, 5-10x slower (GC pauses)
+    heavy: bool = False  # per-side Pareto tails
+    drift: float = 0.0  # candidate's instance alone: slow sinusoid of this amplitude
+    oot_rate: float = 0.0
+    aa_oot_rate: float = 0.0  # baseline non-determinism: A/A mismatches, and the candidate inherits them
+    run_length: int = 1  # mismatches arrive in runs of this many consecutive requests (a bad request class)
+    error_rate: float = 0.0
+    aa_error_rate: float = 0.0
+    tail_share: float = 0.0  # share of candidate requests `tail_factor` slower
+    tail_factor: float = 3.0
+    late_ratio: float = 1.0  # candidate latency ratio from sample `late_from` on
+    late_from: int = 0
+    class_ratio: tuple[str, float] | None = None  # one class slower by this ratio
+    rate: float = 20.0  # mirrored requests per second (the judge looks once a second)
+    deadline: int = 6000  # samples: 300 s at 20 req/s, the default deadline_s
+
+
+SCENARIOS = (
+    Scenario("identical", "good", "identical candidate, common contention, 8% jitter per side"),
+    Scenario("identical-jitter", "good", "identical, 30% jitter per side", jitter=0.3),
+    Scenario("identical-spikes", "good", "identical, 2% GC-like spikes per side", spikes=0.02),
+    Scenario("identical-heavy", "good", "identical, heavy-tailed (Pareto) latencies per side", heavy=True),
+    Scenario("identical-drift", "good", "identical, candidate's instance drifts +-4% (within the 5% slack)", drift=0.04),
+    Scenario("identical-nondeterministic", "good", "baseline non-deterministic: A/A mismatches on 0.5% of requests",
+             aa_oot_rate=0.005),
+    Scenario("identical-timeouts", "good", "0.5% timeouts on both sides", error_rate=0.005, aa_error_rate=0.005),
+    Scenario("faster", "good", "10% faster, 0.1% out of tolerance (budget 0.5%)", latency_ratio=0.9, oot_rate=0.001),
+    Scenario("oot-2x", "bad", "out of tolerance on 1% (2x the budget)", oot_rate=0.01),
+    Scenario("oot-2x-nondeterministic", "bad", "0.5% A/A mismatches, candidate 1% more (2x the budget)",
+             aa_oot_rate=0.005, oot_rate=0.01),
+    Scenario("oot-clustered", "bad", "a bad request class: 1% of requests, in runs of 20", oot_rate=0.01,
+             run_length=20),
+    Scenario("slower-10", "bad", "10% slower at p50", latency_ratio=1.10),
+    Scenario("slower-10-jitter", "bad", "10% slower at p50, 30% jitter per side", latency_ratio=1.10, jitter=0.3),
+    Scenario("tail", "bad", "2.6% of requests 3x slower (p95 ratio 1.10)", tail_share=0.026),
+    Scenario("late-regression", "bad", "+25% latency from sample 800 on", late_ratio=1.25, late_from=800),
+    Scenario("errors", "bad", "3% candidate errors, baseline 0.5%", error_rate=0.03, aa_error_rate=0.005),
+    Scenario("slow-class", "bad", "20% slower on the longest requests only (b16, 4% of traffic)",
+             class_ratio=("b16", 1.2)),
+    Scenario("oot-at-budget", "edge", "out of tolerance exactly at the 0.5% budget", oot_rate=0.005),
+)
+
+
+@dataclasses.dataclass
+class Stream:
+    cls: np.ndarray
+    primary: np.ndarray
+    candidate: np.ndarray
+    oot: np.ndarray
+    aa_oot: np.ndarray
+    err: np.ndarray
+    aa_err: np.ndarray
+
+
+def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
+    n = sc.deadline
+    names = np.array([c for c, _, _ in CLASSES])
+    shares = np.array([s for _, s, _ in CLASSES])
+    base = np.array([b for _, _, b in CLASSES])
+    ci = rng.choice(len(CLASSES), size=n, p=shares / shares.sum())
+    common = 0.010 * base[ci] * np.exp(rng.normal(0.0, sc.contention, n))
+
+    def side() -> np.ndarray:
+        if sc.heavy:
+            x = rng.pareto(2.5, n) * 0.25 + 0.8
+        else:
+            x = np.exp(rng.normal(0.0, sc.jitter, n))
+        if sc.spikes:
+            x = np.where(rng.random(n) < sc.spikes, x * rng.uniform(5, 10, n), x)
+        return x
+
+    primary = common * side()
+    ratio = np.full(n, sc.latency_ratio)
+    if sc.drift:
+        ratio *= 1.0 + sc.drift * np.sin(np.arange(n) / n * 4 * math.pi + rng.uniform(0, 2 * math.pi))
+    if sc.late_from:
+        ratio[sc.late_from:] *= sc.late_ratio / sc.latency_ratio
+    if sc.class_ratio is not None:
+        ratio = np.where(names[ci] == sc.class_ratio[0], ratio * sc.class_ratio[1], ratio)
+    if sc.tail_share:
+        ratio = np.where(rng.random(n) < sc.tail_share, ratio * sc.tail_factor, ratio)
+    candidate = common * ratio * side()
+    cls = names[ci]
+    # Non-determinism: each execution of the baseline (the primary, its A/A replay) and of a candidate that
+    # inherits it is odd with probability q; a comparison mismatches when either side is odd.
+    q = sc.aa_oot_rate / 2
+    odd_primary = rng.random(n) < q
+    aa_oot = odd_primary | (rng.random(n) < q)
+    if sc.run_length > 1:
+        starts = rng.random(n) < sc.oot_rate / sc.run_length
+        oot = np.zeros(n, dtype=bool)
+        for s in np.flatnonzero(starts):
+            oot[s:s + sc.run_length] = True
+        # the run is one request class, unknown to the traffic mix only until it shows up
+        cls = np.where(oot, "rare", cls)
+    else:
+        oot = rng.random(n) < sc.oot_rate
+    oot |= odd_primary | (rng.random(n) < q)  # the candidate inherits the baseline's own non-determinism
+    err = rng.random(n) < sc.error_rate
+    aa_err = rng.random(n) < sc.aa_error_rate
+    return Stream(cls, primary, candidate, oot, aa_oot, err, aa_err)
+
+
+def evidence_at(st: Stream, i: int, sc: Scenario, aa_every: int, expected: dict[str, float]) -> Evidence:
+    ok = ~st.err[:i]
+    compared = int(ok.sum())
+    oot_c = st.oot[:i][ok]
+    nblocks = compared // BLOCK
+    blocks = oot_c[: nblocks * BLOCK].reshape(nblocks, BLOCK).sum(axis=1) if nblocks else np.zeros(0)
+    aa_idx = np.arange(0, i, aa_every)
+    aa_ok = ~st.aa_err[aa_idx]
+    both = aa_idx[~st.err[aa_idx] & aa_ok]  # compared on both sides
+    pair_idx = np.flatnonzero(ok)[WARMUP:]
+    held = pair_idx[-MAX_PAIRS:]
+    cls_ok = st.cls[:i][ok]
+    classes: dict[str, list[int]] = {}
+    for c in np.unique(cls_ok):
+        m = cls_ok == c
+        classes[str(c)] = [int(m.sum()), int(oot_c[m].sum())]
+    return Evidence(
+        compared=compared, out_of_tolerance=int(oot_c.sum()),
+        aa_compared=int(aa_ok.sum()), aa_out_of_tolerance=int(st.aa_oot[aa_idx][aa_ok].sum()),
+        sent=i, errors=int(st.err[:i].sum()), timeouts=0,
+        aa_sent=aa_idx.size, aa_errors=int(st.aa_err[aa_idx].sum()),
+        paired_sent=aa_idx.size, cand_only_errors=int((st.err[aa_idx] & ~st.aa_err[aa_idx]).sum()),
+        aa_only_errors=int((~st.err[aa_idx] & st.aa_err[aa_idx]).sum()), paired_compared=both.size,
+        cand_only_oot=int((st.oot[both] & ~st.aa_oot[both]).sum()),
+        aa_only_oot=int((~st.oot[both] & st.aa_oot[both]).sum()),
+        primary_s=st.primary[held], candidate_s=st.candidate[held], pair_class=st.cls[held],
+        pairs_total=pair_idx.size, blocks=blocks.astype(int).tolist(), classes=classes,
+        expected_classes=expected, started=0.0,
+    )  # fmt: skip
+
+
+def run_one(sc: Scenario, seed: int, params: JudgeParams, aa_every: int) -> tuple[str, int, str]:
+    rng = np.random.default_rng(seed)
+    st = make_stream(sc, rng)
+    look = max(1, round(sc.rate))  # once a second
+    expected = {c: s for c, s, _ in CLASSES}
+    if sc.run_length > 1:
+        expected["rare"] = sc.oot_rate  # the bad class is in the traffic the gate saw
+    deadline_t = sc.deadline / sc.rate
+    for i in range(look, sc.deadline + 1, look):
+        now = i / sc.rate
+        j = judge(evidence_at(st, i, sc, aa_every, expected), params, now=now, deadline=deadline_t)
+        if j.final:
+            return str(j.outcome), i, j.reasons[0]
+    return str(INCONCLUSIVE), sc.deadline, "deadline"
+
+
+def mann_whitney_fixed_n(ratio: float, seeds: int, power: float = 0.99, alpha: float = 0.01) -> int:
+    """Fewest samples at which a one-sided fixed-horizon Mann-Whitney test rejects in `power` of the seeds."""
+    z = statistics.NormalDist().inv_cdf(1 - alpha)
+    for n in (100, 150, 200, 300, 400, 500, 600, 800, 1000, 1300, 1600, 2000, 2500, 3000, 4000, 6000):
+        hits = 0
+        for seed in range(seeds):
+            rng = np.random.default_rng(10**6 + seed)
+            common = np.exp(rng.normal(0, 0.35, n))
+            a = 0.01 * common * np.exp(rng.normal(0, 0.08, n))
+            b = 0.01 * ratio * common * np.exp(rng.normal(0, 0.08, n))
+            ranks = np.argsort(np.argsort(np.concatenate([a, b]))) + 1
+            u = ranks[n:].sum() - n * (n + 1) / 2
+            mu, sd = n * n / 2, math.sqrt(n * n * (2 * n + 1) / 12)
+            hits += (u - mu) / sd > z
+        if hits >= power * seeds:
+            return n
+    return -1
+
+
+def summarize(sc: Scenario, results: list[tuple[str, int, str]]) -> dict[str, Any]:
+    outcomes = [r[0] for r in results]
+    n = len(results)
+    row: dict[str, Any] = {"scenario": sc.name, "truth": sc.truth, "what": sc.what, "seeds": n}
+    for o in (PROMOTE, PIN, INCONCLUSIVE):
+        row[str(o)] = outcomes.count(str(o)) / n
+    decided = [r[1] for r in results if r[0] != str(INCONCLUSIVE)]
+    row["median_samples"] = int(np.median(decided)) if decided else None
+    row["p90_samples"] = int(np.quantile(decided, 0.9)) if decided else None
+    if sc.truth == "good":
+        row["error"] = row[str(PIN)] + row[str(INCONCLUSIVE)]
+        row["error_kind"] = "false pin (inconclusive included)"
+    elif sc.truth == "bad":
+        row["error"] = row[str(PROMOTE)]
+        row["error_kind"] = "false promotion"
+    pins = [r for r in results if r[0] == str(PIN)]
+    if pins:
+        row["pinned_within_2000"] = sum(1 for r in pins if r[1] <= 2000) / n
+        reasons: dict[str, int] = {}
+        for r in pins:
+            key = r[2].split(":")[0].split("(")[0].strip()[:60]
+            reasons[key] = reasons.get(key, 0) + 1
+        row["pin_reasons"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=1000)
+    ap.add_argument("--only", action="append", help="scenario name (repeatable)")
+    ap.add_argument("--aa-every", type=int, default=1,
+                    help="every Nth sample also replayed to the baseline (1: shadow pairing, the default; 10: primary "
+                         "pairing's default aa_rate)")  # fmt: skip
+    ap.add_argument("--no-peer", action="store_true", help="skip the Mann-Whitney peer")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    params = JudgeParams()
+    chosen = [s for s in SCENARIOS if not args.only or s.name in args.only]
+    if not chosen:
+        ap.error(f"no scenario named {args.only}; known: {', '.join(s.name for s in SCENARIOS)}")
+    rows = []
+    for sc in chosen:
+        t0 = time.monotonic()
+        results = [run_one(sc, seed, params, args.aa_every) for seed in range(args.seeds)]
+        row = summarize(sc, results)
+        row["seconds"] = round(time.monotonic() - t0, 1)
+        rows.append(row)
+        if not args.json:
+            err = f"{row['error_kind']} {row['error']:.1%}" if "error" in row else "reported only"
+            print(f"{sc.name:28s} {sc.truth:5s} promote {row['promote']:6.1%} pin {row['pin']:6.1%} "
+                  f"inconclusive {row['inconclusive']:6.1%}  median n {row['median_samples']}  {err}  "
+                  f"({row['seconds']} s)", flush=True)  # fmt: skip
+    peer = None
+    if not args.no_peer:
+        mw = mann_whitney_fixed_n(1.10, min(args.seeds, 300))
+        judge_row = next((r for r in rows if r["scenario"] == "slower-10"), None)
+        peer = {"mann_whitney_fixed_n_for_10pct_slower_at_99pct": mw,
+                "judge_median_samples": judge_row["median_samples"] if judge_row else None}  # fmt: skip
+        if not args.json:
+            print(f"peer: fixed-horizon Mann-Whitney needs n={mw} per side to pin a 10% slower candidate in 99% of "
+                  f"seeds; the judge's median is {peer['judge_median_samples']}")  # fmt: skip
+    if args.json:
+        print(json.dumps({"params": dataclasses.asdict(params), "rows": rows, "peer": peer}, indent=2))
+    bad = [r for r in rows if r.get("error", 0) > 0.01]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
