@@ -31,6 +31,7 @@ from sidecar.config import SidecarConfig
 from sidecar.judge import PIN, PROMOTE
 from sidecar.metrics import SidecarMetrics
 from sidecar.proxy import CAPTURE, CONFIG, MANAGER, METRICS, UPSTREAM, Front
+from sidecar.rollback import RollbackError, rollback
 from sidecar.state import StateStore
 from sidecar.upstream import UpstreamPool
 from tunegate.capture import CaptureWriter
@@ -88,6 +89,23 @@ async def canary_promote(request: web.Request) -> web.StreamResponse:
 @_authorized
 async def canary_pin(request: web.Request) -> web.StreamResponse:
     return web.json_response(await request.app[MANAGER].decide_manually(request.match_info["model"], PIN))
+
+
+@_authorized
+async def canary_rollback(request: web.Request) -> web.StreamResponse:
+    """Bring back the previous live version (sidecar/rollback.py); body {"to": v, "reason": "..."} or none."""
+    raw = await request.read()
+    body: Any = None
+    if raw.strip():
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, an integer too long to parse
+            return web.json_response({"error": "the body must be a JSON object (or empty)"}, status=400)
+    try:
+        status = await rollback(request.app[MANAGER], request.match_info["model"], body)
+    except RollbackError as exc:
+        return web.json_response({"error": str(exc)}, status=exc.status)
+    return web.json_response(status)
 
 
 @_authorized
@@ -169,6 +187,7 @@ def build_app(config: SidecarConfig, registry: CollectorRegistry | None = None) 
     app.router.add_post("/canary/{model}", canary_start)
     app.router.add_post("/canary/{model}/promote", canary_promote)
     app.router.add_post("/canary/{model}/pin", canary_pin)
+    app.router.add_post("/canary/{model}/rollback", canary_rollback)
     app.router.add_get("/decisions", decisions)
     app.router.add_get("/canary/{model}/decisions", decisions)
     app.router.add_get("/metrics", metrics_handler)

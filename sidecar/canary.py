@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -24,15 +25,21 @@ import aiohttp
 
 from sidecar.config import CanaryParams, ConfigError, SidecarConfig
 from sidecar.control import SHADOW_SUFFIX, ControlError, PromotionError, TritonControl, shadow_name
+from sidecar.faults import Blame, MirrorFault, classify_answer, classify_exception
 from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, judge
+from sidecar.memory import SAMPLE_INTERVAL_S, MemoryProbe, Reading
 from sidecar.metrics import SidecarMetrics
-from sidecar.mirror import Comparison, MirrorSlots, Reference, compare_responses, reference
+from sidecar.mirror import Comparison, MirrorSlots, Reference, compare_responses, reference, request_class
+from sidecar.rollback import apply_retention, finish_pending, pending_rollback
+from sidecar.semantics import SEQUENCE, ModelSemantics, parse_model_config, sequence_request
 from sidecar.state import EvidenceCounter, StateStore
-from sidecar.upstream import Headers, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from sidecar.upstream import Headers, UpstreamPool, UpstreamResponse
 from tunegate.tolerance import ToleranceError, ToleranceSpec
 
 LOG = logging.getLogger(__name__)
 INLINE_COMPARE_BYTES = 8 << 10
+Replayed = tuple[UpstreamResponse, float] | MirrorFault  # a mirror copy's 200 and its latency, or its fault
+SHADOW_RELOAD_RETRY_S = 5.0  # a paused canary's shadow that failed to reload is tried again this much later
 FORWARD_MIRROR_HEADERS = frozenset({b"content-type", b"content-encoding", b"inference-header-content-length"})
 
 
@@ -59,6 +66,13 @@ class Canary:
     judgement: dict[str, Any] | None = None
     pending: dict[str, Any] | None = None
     slots: MirrorSlots = dataclasses.field(default_factory=lambda: MirrorSlots(1))
+    # {"since", "reason", "blame"} while Triton is unavailable or the shadow is lost: nothing is mirrored,
+    # counted or judged. Not persisted: a restarted sidecar checks Triton again (CanaryManager.resume).
+    paused: dict[str, Any] | None = None
+    # What the model's config says about mirroring (sidecar.semantics), read once at the start.
+    semantics: ModelSemantics | None = None
+    memory: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last memory sample's details
+    memory_probe: MemoryProbe | None = None
 
     def __post_init__(self) -> None:
         # Shadow pairing sends one pair at a time: with several in flight, the slower side's copies queue
@@ -95,6 +109,7 @@ class Canary:
             "evidence": self.evidence.to_dict(),
             "judgement": self.judgement,
             "pending": self.pending,
+            "semantics": None if self.semantics is None else self.semantics.to_dict(),
         }
 
     @classmethod
@@ -106,6 +121,7 @@ class Canary:
             tolerance_source=raw.get("tolerance_source", "request"),
             evidence=EvidenceCounter.from_dict(raw.get("evidence", {})),
             judgement=raw.get("judgement"), pending=raw.get("pending"),
+            semantics=ModelSemantics.from_dict(raw.get("semantics")),
         )  # fmt: skip
 
     def status(self) -> dict[str, Any]:
@@ -115,6 +131,8 @@ class Canary:
         ev.pop("candidate_s")
         d["evidence"] = ev
         d["in_flight"] = len(self.slots)
+        d["paused"] = self.paused
+        d["memory"] = self.memory
         return d
 
 
@@ -138,9 +156,12 @@ class CanaryManager:
         self._random = random.Random()  # sampling only; decisions never depend on it
         self._cand_first = False  # shadow latency pairing alternates which copy is sent first
         self._dirty = False
+        self._reload_after: dict[str, float] = {}  # canary id -> when its shadow may be reloaded again
         # Client requests now at Triton, per (model, version the sidecar routed them to): a promotion
         # unloads the baseline only once none of its requests are left.
         self.in_flight: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._memory_due: dict[str, float] = {}  # canary id -> when its memory is sampled next
+        self._memory_series: dict[str, list[tuple[str, str, str]]] = {}  # model -> memory gauge labels set
 
     # -- client path hooks (must stay cheap: they run per request on the event loop) ----------
     def live_version(self, model: str) -> int | None:
@@ -162,10 +183,18 @@ class CanaryManager:
               request_id: str) -> None:  # fmt: skip
         """Mirror one answered client request (its raw header pairs); returns at once."""
         canary = self.canaries.get(model)
-        if canary is None or canary.pending is not None or primary.status != 200:
+        if canary is None or canary.pending is not None or canary.paused is not None or primary.status != 200:
             return
         p = canary.params
         if not self.sample(p.sample_rate):
+            return
+        # Stateful sequences and decoupled models are not replayed (sidecar.semantics); counted, never mirrored.
+        skip = canary.semantics.skip if canary.semantics is not None else None
+        if skip is not None or sequence_request(body, headers):
+            reason = skip or SEQUENCE
+            self.metrics.inc(self.metrics.mirror_skipped, model, reason)
+            canary.evidence.skipped[reason] = canary.evidence.skipped.get(reason, 0) + 1
+            self._dirty = True
             return
         acquired = canary.slots.acquire()
         if not acquired and p.latency_pairing == "shadow":
@@ -180,17 +209,128 @@ class CanaryManager:
         job._step(job.start)
 
     def replayed(self, canary: Canary, version: int, role: str, resp: UpstreamResponse | None,
-                 exc: BaseException | None, seconds: float) -> tuple[UpstreamResponse, float] | str:  # fmt: skip
-        """Account for one mirror answer: the response and its latency, or "timeout" / "error"."""
-        if resp is None:
-            kind = "timeout" if isinstance(exc, UpstreamTimeout) else "error"
+                 exc: BaseException | None, seconds: float) -> Replayed:  # fmt: skip
+        """Account for one mirror answer: a 200 and its latency, or the fault and whose it is (`faults`).
+
+        A model's own failure is counted in `tunegate_mirror_errors`; Triton's (unreachable, or the shadow
+        model missing) is not, and pauses the canary until the judge tick finds Triton and the shadow ready.
+        """
+        if resp is not None:
+            self.metrics.observe_request(canary.model, str(version), role, resp.status, seconds)
+            answered = classify_answer(resp.status, resp.body)
+            if answered is None:
+                return resp, seconds
+            fault = answered
+        else:
+            fault = classify_exception(exc)
             LOG.debug("%s replay failed: %r", role, exc)
-            self.metrics.inc(self.metrics.mirror_errors, canary.model, str(version), role, kind)
-            return kind
-        self.metrics.observe_request(canary.model, str(version), role, resp.status, seconds)
-        if resp.status != 200:
-            self.metrics.inc(self.metrics.mirror_errors, canary.model, str(version), role, "error")
-        return resp, seconds
+        if fault.is_candidate_evidence:
+            self.metrics.inc(self.metrics.mirror_errors, canary.model, str(version), role, fault.kind)
+        else:
+            self._pause(canary, fault.blame, f"{role} copy: {fault.detail}")
+        return fault
+
+    def _pause(self, canary: Canary, blame: Blame, reason: str) -> None:
+        """Stop mirroring and judging `canary` (cheap: the mirror path calls it); logged per transition."""
+        if self.canaries.get(canary.model) is not canary or canary.pending is not None:
+            return
+        shadow = shadow_name(canary.model)
+        what = "Triton is unavailable" if blame is Blame.TRITON else f"the shadow model {shadow} is not ready"
+        text = f"{what} ({reason})"
+        if canary.paused is None:
+            canary.paused = {"since": time.time(), "reason": text, "blame": blame.value}
+            self.metrics.canary_paused.labels(canary.model).set(1)
+            LOG.warning("canary %s of %s paused, nothing is counted: %s", canary.id, canary.model, text)
+        elif canary.paused["blame"] != blame.value:
+            canary.paused.update(reason=text, blame=blame.value)
+            LOG.warning("canary %s of %s still paused: %s", canary.id, canary.model, text)
+
+    def _unpause(self, canary: Canary) -> None:
+        if canary.paused is not None:
+            LOG.info("canary %s of %s resumes after %.1fs paused (%s)", canary.id, canary.model,
+                     time.time() - canary.paused["since"], canary.paused["reason"])  # fmt: skip
+            canary.paused = None
+            self.metrics.canary_paused.labels(canary.model).set(0)
+
+    async def _check_triton(self, canary: Canary) -> bool:
+        """From the judge tick: whether `canary` can be judged now. Pauses it while Triton does not serve the
+        baseline, reloads the shadow (as `resume` does) when Triton is back without it, and unpauses it."""
+        model = canary.model
+        if not await self.control.serving(model, canary.baseline):
+            self._pause(canary, Blame.TRITON, f"no answer from {self.control.base}/v2/health/ready")
+            return False
+        shadow = shadow_name(model)
+        if all([await self.control.ready(shadow, v, timeout_s=2.0) for v in canary.shadow_versions()]):
+            self._unpause(canary)
+            return True
+        self._pause(canary, Blame.SHADOW, "Triton serves, the shadow is not loaded")
+        if time.monotonic() < self._reload_after.get(canary.id, 0.0):
+            return False
+        async with self._locks[model]:
+            if self.canaries.get(model) is not canary or canary.pending is not None:
+                return False
+            LOG.info("reloading %s (versions %s) for canary %s", shadow, canary.shadow_versions(), canary.id)
+            try:
+                await self.control.start_shadow(model, canary.candidate, canary.shadow_baseline())
+            except ControlError as exc:  # retried, not judged (it loaded before); else the deadline ends it
+                self._reload_after[canary.id] = time.monotonic() + SHADOW_RELOAD_RETRY_S
+                if canary.paused is not None:
+                    canary.paused["reason"] = f"the shadow model {shadow} could not be reloaded: {exc}"
+                LOG.warning("reloading %s failed (retry in %gs): %s", shadow, SHADOW_RELOAD_RETRY_S, exc)
+                return False
+        self._reload_after.pop(canary.id, None)
+        self._unpause(canary)
+        return True
+
+    async def _semantics(self, model: str) -> ModelSemantics:
+        """Sequence batching, decoupled policy and backend from the model's config.pbtxt (read once per canary)."""
+        try:
+            return await asyncio.to_thread(lambda: parse_model_config(self.control.read_config(model)))
+        except ControlError:
+            return ModelSemantics()
+
+    async def _sample_memory(self, canary: Canary) -> None:
+        """From the judge tick, at most every SAMPLE_INTERVAL_S: each version's memory (sidecar.memory), its peak
+        into the evidence, the figures into `tunegate_model_memory_bytes` and the details into the status."""
+        now = time.monotonic()
+        if now < self._memory_due.get(canary.id, 0.0):
+            return
+        self._memory_due[canary.id] = now + SAMPLE_INTERVAL_S
+        if canary.memory_probe is None:
+            base_model = shadow_name(canary.model) if canary.shadow_baseline() is not None else canary.model
+            targets = {"candidate": (shadow_name(canary.model), canary.candidate), "baseline": (base_model, canary.baseline)}
+            backend = canary.semantics.backend if canary.semantics is not None else ""
+            canary.memory_probe = MemoryProbe(self.config.repository, self.config.upstream, targets, backend)
+        try:
+            r: Reading = await asyncio.to_thread(canary.memory_probe.read)
+        except (OSError, ValueError) as exc:  # measuring must never stop judging
+            LOG.warning("measuring the memory of %s's versions failed: %r", canary.model, exc)
+            return
+        if self.canaries.get(canary.model) is not canary:
+            return
+        ev = canary.evidence
+        if canary.memory.get("kind") not in (None, r.kind):
+            ev.memory = {}  # the figure judged changed (GPU memory appeared or went): peaks of one kind only
+        ev.memory = {**ev.memory, **{role: max(v, ev.memory.get(role, 0.0)) for role, v in r.bytes.items()}}
+        canary.memory = {"kind": r.kind, "unknown": r.unknown, "at": time.time(), **r.detail}
+        series = self._memory_series.setdefault(canary.model, [])
+        for role, d in r.detail.items():
+            labels = (canary.model, str(d["version"]), role)
+            if role in r.bytes:
+                self.metrics.model_memory.labels(*labels).set(r.bytes[role])
+                if labels not in series:
+                    series.append(labels)
+        self._dirty = True
+
+    def _clear_memory_series(self) -> None:
+        """Memory gauges of canaries that ended leave the exposition (a stale figure would read as current)."""
+        live_ids = {c.id for c in self.canaries.values()}
+        for cid in [c for c in self._memory_due if c not in live_ids]:
+            del self._memory_due[cid]
+        for model in [m for m in self._memory_series if m not in self.canaries]:
+            for labels in self._memory_series.pop(model):
+                with contextlib.suppress(KeyError):
+                    self.metrics.model_memory.remove(*labels)
 
     def _count(self, canary: Canary, cmp: Comparison, role: str) -> None:
         for out, ok in cmp.outputs.items():
@@ -204,6 +344,8 @@ class CanaryManager:
             if model in self.canaries:
                 raise CanaryError(f"model {model!r} already has a canary (candidate "
                                   f"{self.canaries[model].candidate}); promote or pin it first", 409)  # fmt: skip
+            if pending_rollback(self.store, model) is not None:
+                raise CanaryError(f"a rollback of {model!r} is pending; finish it first (rollback)", 409)
             body = dict(body)
             candidate = body.pop("candidate", None)
             if not isinstance(candidate, int) or isinstance(candidate, bool) or candidate < 1:
@@ -240,6 +382,10 @@ class CanaryManager:
                 raise CanaryError(f"cannot load the candidate: {exc}", 502) from exc
             now = time.time()
             canary = Canary(uuid.uuid4().hex, model, candidate, live, now, now + params.deadline_s, params, spec, source)
+            canary.semantics = await self._semantics(model)
+            canary.evidence.started = now
+            if release is not None:  # the request classes of the traffic the gate judged: each must be covered
+                canary.evidence.expected_classes = dict(release.get("gate", {}).get("classes", {}) or {})
             self.canaries[model] = canary
             ms = self.store.model(model)
             ms["live"], ms["canary"] = live, canary.to_dict()
@@ -278,10 +424,21 @@ class CanaryManager:
     # -- judging and deciding ------------------------------------------------------------------
     async def tick(self) -> None:
         loop = asyncio.get_running_loop()
+        self._clear_memory_series()
         for model, canary in list(self.canaries.items()):
             if canary.pending is not None:
                 await self._retry(canary)
                 continue
+            if not await self._check_triton(canary):  # paused: not judged; the deadline ends it inconclusive
+                at_deadline = time.time() >= canary.deadline
+                if canary.paused is not None and at_deadline and self.canaries.get(model) is canary:
+                    # The judge gives the record's statistics only; the outcome is not its to choose.
+                    call = functools.partial(judge, canary.evidence.snapshot(), canary.params.judge_params(),
+                                             now=time.time(), deadline=canary.deadline)  # fmt: skip
+                    stats = (await loop.run_in_executor(None, call)).stats
+                    await self.decide(model, self._paused_at_deadline(canary, stats), "sidecar")
+                continue
+            await self._sample_memory(canary)
             snap = canary.evidence.snapshot()
             call = functools.partial(judge, snap, canary.params.judge_params(), now=time.time(), deadline=canary.deadline)
             j = await loop.run_in_executor(None, call)
@@ -293,6 +450,17 @@ class CanaryManager:
             for model, canary in self.canaries.items():
                 self.store.model(model)["canary"] = canary.to_dict()
             await self._save()
+
+    @staticmethod
+    def _paused_at_deadline(canary: Canary, stats: dict[str, Any]) -> Judgement:
+        """The deadline passed while paused: inconclusive (the baseline keeps serving), not a pin."""
+        paused = canary.paused or {}
+        since = time.time() - float(paused.get("since", time.time()))
+        triton = paused.get("blame") == Blame.TRITON.value
+        what = "Triton was unavailable" if triton else "the shadow model was lost"
+        reason = (f"{what} at the deadline (paused {since:.0f}s: {paused.get('reason', 'unknown')}); "
+                  "the candidate was not judged on it")  # fmt: skip
+        return Judgement(INCONCLUSIVE, (reason,), stats)
 
     async def decide(self, model: str, j: Judgement, by: str) -> None:
         async with self._locks[model]:
@@ -367,6 +535,8 @@ class CanaryManager:
         await self._save()
         self._publish(model)
         LOG.info("canary %s of %s: %s (%s)", canary.id, model, rec["outcome"], "; ".join(rec["reasons"]))
+        if rec["outcome"] == PROMOTE:
+            await apply_retention(self, model)  # sidecar/rollback.py: old versions beyond retain_versions
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def resume(self) -> None:
@@ -383,9 +553,14 @@ class CanaryManager:
         for model, ms in list(self.store.models().items()):
             if ms.get("canary"):
                 canary = Canary.from_dict(model, ms["canary"])
+                if canary.semantics is None:  # a state file written before the config was kept with the canary
+                    canary.semantics = await self._semantics(model)
                 self.canaries[model] = canary
                 if canary.pending is not None:
                     await self._complete(canary)
+                elif not await self.control.serving(model, canary.baseline):
+                    # Triton is down too: not the candidate's fault. Paused; the judge tick reloads the shadow
+                    self._pause(canary, Blame.TRITON, f"no answer from {self.control.base}/v2/health/ready")
                 elif not all([await self.control.ready(shadow_name(model), v) for v in canary.shadow_versions()]):
                     try:
                         await self.control.start_shadow(model, canary.candidate, canary.shadow_baseline())
@@ -393,6 +568,7 @@ class CanaryManager:
                         await self.decide(model, Judgement(PIN, (f"candidate could not be reloaded: {exc}",), {}),
                                           "sidecar")  # fmt: skip
             self._publish(model)
+        await finish_pending(self)  # rollbacks a killed sidecar left pending (sidecar/rollback.py)
 
     def _configured_live(self, skip: set[str]) -> list[tuple[str, int]]:
         """(model, version) for each repository model whose config pins one version (`specific [v]`)."""
@@ -433,6 +609,7 @@ class CanaryManager:
         self.metrics.candidate_version.labels(model).set(canary.candidate if canary else 0)
         self.metrics.canary_started.labels(model).set(canary.started if canary else 0)
         self.metrics.canary_deadline.labels(model).set(canary.deadline if canary else 0)
+        self.metrics.canary_paused.labels(model).set(0 if canary is None or canary.paused is None else 1)
         if canary:
             self.metrics.oot_budget.labels(model).set(canary.params.oot_budget)
 
@@ -452,6 +629,8 @@ class _MirrorJob:
         "body",
         "canary",
         "cand",
+        "cand_passed",
+        "cls",
         "done",
         "headers",
         "mgr",
@@ -466,11 +645,13 @@ class _MirrorJob:
                  primary_s: float, request_id: str, aa: bool) -> None:  # fmt: skip
         self.mgr, self.canary, self.body, self.headers = mgr, canary, body, headers
         self.primary, self.primary_s, self.request_id, self.aa = primary, primary_s, request_id, aa
-        self.cand: tuple[UpstreamResponse, float] | str | None = None
-        self.base: tuple[UpstreamResponse, float] | str | None = None
+        self.cand: Replayed | None = None
+        self.base: Replayed | None = None
         self.ref: Reference | Comparison | None = None  # the primary, decoded once
         self.waiting = 0
         self.done = False
+        self.cls = request_class(body, headers)
+        self.cand_passed: bool | None = None  # the candidate's verdict, for the paired (discordant) counts
 
     # -- steps ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -513,14 +694,24 @@ class _MirrorJob:
         if self._closed():
             return
         cand, ev = self.cand, c.evidence
-        if isinstance(cand, str) or cand is None or cand[0].status != 200:
+        if not isinstance(cand, tuple):
+            if cand is None or not cand.is_candidate_evidence:
+                self._finish()  # Triton's fault, not the candidate's: nothing is counted (the canary pauses)
+                return
             ev.sent += 1
-            if cand == "timeout":
+            if cand.kind == "timeout":
                 ev.timeouts += 1
             else:
                 ev.errors += 1
-                detail = cand if isinstance(cand, str) else "no answer" if cand is None else cand[0].body[:300].decode(errors="replace")
-                ev.add_exemplar({"request_id": self.request_id, "kind": "candidate_error", "detail": detail})
+                exemplar = {"request_id": self.request_id, "kind": "candidate_error", "detail": cand.detail}
+                ev.add_exemplar(exemplar)
+            base = self.base
+            if base is not None and (isinstance(base, tuple) or base.is_candidate_evidence):
+                base_failed = not isinstance(base, tuple) or base[0].status != 200
+                ev.aa_sent += 1
+                ev.aa_errors += base_failed
+                ev.paired_sent += 1
+                ev.cand_only_errors += not base_failed
             self.mgr._dirty = True
             self._finish()
             return
@@ -535,17 +726,18 @@ class _MirrorJob:
             return
         assert isinstance(self.cand, tuple)
         ev.sent += 1
-        ev.compared += 1
+        ev.add_comparison(cmp.passed, self.cls)
+        self.cand_passed = cmp.passed
         base = self.base
         base_ok = isinstance(base, tuple) and base[0].status == 200  # the baseline's failures are not evidence
-        if ev.compared > c.params.warmup_samples:
+        # Warm-up by count and by time: a freshly loaded model's first answers are slow for reasons of its own.
+        if ev.compared > c.params.warmup_samples and time.time() - c.started >= c.params.warmup_s:
             if c.params.latency_pairing != "shadow":
-                ev.add_pair(self.primary_s, self.cand[1])
+                ev.add_pair(self.primary_s, self.cand[1], self.cls)
             elif base_ok:
-                ev.add_pair(base[1], self.cand[1])  # type: ignore[index]
+                ev.add_pair(base[1], self.cand[1], self.cls)  # type: ignore[index]
         self.mgr._count(c, cmp, "candidate")
         if not cmp.passed:
-            ev.out_of_tolerance += 1
             ev.add_exemplar({"request_id": self.request_id, "kind": "out_of_tolerance", "reasons": list(cmp.reasons)})
         self.mgr._dirty = True
         if base is None and self.aa:  # primary pairing: a sampled A/A replay goes out after the candidate's
@@ -563,10 +755,23 @@ class _MirrorJob:
         if self._closed():
             return
         base = self.base
+        self._count_baseline_answer(base)
         if isinstance(base, tuple) and base[0].status == 200:
             self._compare(base[0], self._aa_compared)
         else:
             self._finish()
+
+    def _count_baseline_answer(self, base: Replayed | None) -> None:
+        """The baseline replay's own outcome: its error rate, and errors on one side only of a request sent to both."""
+        if base is None or not (isinstance(base, tuple) or base.is_candidate_evidence):
+            return  # not replayed, or Triton's fault: nothing is known about the baseline
+        ev = self.canary.evidence
+        base_failed = not isinstance(base, tuple) or base[0].status != 200
+        ev.aa_sent += 1
+        ev.aa_errors += base_failed
+        if self.cand_passed is not None:  # the candidate answered: both sides' outcomes are known
+            ev.paired_sent += 1
+            ev.aa_only_errors += base_failed
 
     def _aa_compared(self, cmp: Comparison) -> None:
         if self._closed():
@@ -575,6 +780,10 @@ class _MirrorJob:
         if cmp.reference_ok:
             ev.aa_compared += 1
             ev.aa_out_of_tolerance += 0 if cmp.passed else 1
+            if self.cand_passed is not None:
+                ev.paired_compared += 1
+                ev.cand_only_oot += self.cand_passed is False and cmp.passed
+                ev.aa_only_oot += self.cand_passed and not cmp.passed
             self.mgr._count(self.canary, cmp, "aa")
             self.mgr.metrics.noise_floor_rate.labels(self.canary.model).set(ev.aa_out_of_tolerance / ev.aa_compared)
         self._finish()

@@ -1,4 +1,4 @@
-"""`tunegate sidecar` (run the proxy) and `tunegate canary start|status|promote|pin|decisions` (drive its admin API)."""
+"""`tunegate sidecar` (the proxy); `tunegate canary start|status|promote|pin|rollback|decisions` (admin)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--capture-dir", type=Path, help="write sampled requests here (tunegate.capture format)")
     p.add_argument("--capture-rate", type=float, help="fraction of requests captured (default 0)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (413 above)")
+    p.add_argument("--retain-versions", type=int, metavar="N",
+                   help="after a promotion or rollback, keep a model's newest N versions (3; 0: all)")
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_sidecar)
 
@@ -50,6 +52,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                            ("pin", "pin the baseline now"), ("decisions", "list decision records")):  # fmt: skip
         a = csub.add_parser(name, help=helptext)
         a.add_argument("model", nargs="?" if name in ("status", "decisions") else None)
+    rb = csub.add_parser("rollback", help="bring back the previous live version (no downtime), recorded")
+    rb.add_argument("model")
+    rb.add_argument("--to", type=int, metavar="VERSION",
+                    help="the version to bring back (default: the last promotion's baseline)")
+    rb.add_argument("--reason", help="why, for the decision record")
     c.set_defaults(func=cmd_canary)
 
 
@@ -60,6 +67,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         "listen": args.listen, "upstream": args.upstream, "state_dir": args.state_dir,
         "repository": args.repository, "admin_token_file": args.admin_token_file,
         "capture_dir": args.capture_dir, "capture_rate": args.capture_rate, "max_body_bytes": args.max_body_bytes,
+        "retain_versions": args.retain_versions,
     }  # fmt: skip
     try:
         config = load_config(args.config, overrides)
@@ -119,6 +127,8 @@ def cmd_canary(args: argparse.Namespace) -> int:
             result = admin.promote(args.model)
         elif action == "pin":
             result = admin.pin(args.model)
+        elif action == "rollback":
+            result = admin.rollback(args.model, args.to, args.reason)
         else:
             result = {"decisions": admin.decisions(args.model)}
     except AdminError as exc:
@@ -133,7 +143,8 @@ def cmd_canary(args: argparse.Namespace) -> int:
 
 
 def _print_status(result: dict[str, Any]) -> None:
-    t = Table("model", "state", "live", "candidate", "compared", "out of tol.", "errors", "judge says")
+    t = Table("model", "state", "live", "candidate", "compared", "out of tol.", "errors", "memory MiB c/b", "skipped",
+              "judge says")  # fmt: skip
     for model, st in result["models"].items():
         c = st.get("canary") or {}
         ev = c.get("evidence", {})
@@ -142,13 +153,31 @@ def _print_status(result: dict[str, Any]) -> None:
         if not c and st.get("last"):
             says = f"{st['last']['outcome']}: " + "; ".join(st["last"]["reasons"])
         t.add_row(model, st["state"], str(st.get("live")), str(c.get("candidate", "")), str(ev.get("compared", "")),
-                  str(ev.get("out_of_tolerance", "")), str(ev.get("errors", "")), says)  # fmt: skip
+                  str(ev.get("out_of_tolerance", "")), str(ev.get("errors", "")), _memory_cell(c),
+                  ", ".join(f"{k} {v}" for k, v in sorted((ev.get("skipped") or {}).items()) if v), says)  # fmt: skip
     out.print(t)
 
 
+def _memory_cell(canary: dict[str, Any]) -> str:
+    """Peak memory of the candidate and the baseline ("123/120"), or why it is unknown."""
+    if not canary:
+        return ""
+    peaks = (canary.get("evidence") or {}).get("memory") or {}
+    info = canary.get("memory") or {}
+    figures = "/".join("?" if peaks.get(r) is None else f"{peaks[r] / 2**20:.0f}" for r in ("candidate", "baseline"))
+    if info.get("kind") == "gpu":
+        figures += " (GPU)"
+    return figures if not info.get("unknown") else f"{figures} (unknown: {info['unknown']})"
+
+
 def _print_decisions(recs: list[dict[str, Any]]) -> None:
-    t = Table("when (unix)", "model", "candidate", "baseline", "outcome", "by", "reasons")
+    t = Table("when (unix)", "model", "outcome", "versions", "live after", "by", "reasons")
     for r in recs:
-        t.add_row(f"{r.get('at', 0):.0f}", r.get("model", ""), str(r.get("candidate")), str(r.get("baseline")),
-                  r.get("outcome", ""), r.get("decided_by", ""), "; ".join(r.get("reasons", [])))  # fmt: skip
+        if "rollback_id" in r:  # a rollback: from the version that served to the one brought back
+            versions = f"{r.get('from_version')} -> {r.get('to_version')}"
+        else:
+            versions = f"{r.get('candidate')} vs {r.get('baseline')}"
+        t.add_row(f"{r.get('at', 0):.0f}", r.get("model", ""), r.get("outcome", ""), versions,
+                  str(r.get("live_after", "")), r.get("decided_by", ""),
+                  "; ".join(r.get("reasons", [])))  # fmt: skip
     out.print(t)

@@ -72,6 +72,15 @@ class AdminClient:
     def pin(self, model: str) -> Any:
         return self._call("POST", f"/canary/{model}/pin", {})
 
+    def rollback(self, model: str, to: int | None = None, reason: str | None = None) -> Any:
+        """Bring back the previous live version (or `to`); returns the model's status."""
+        body: dict[str, Any] = {}
+        if to is not None:
+            body["to"] = to
+        if reason is not None:
+            body["reason"] = reason
+        return self._call("POST", f"/canary/{model}/rollback", body)
+
     def decisions(self, model: str | None = None) -> list[dict[str, Any]]:
         out = self._call("GET", f"/canary/{model}/decisions" if model else "/decisions")
         return list(out["decisions"])

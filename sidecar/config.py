@@ -48,31 +48,49 @@ class CanaryParams:
     oot_budget: float = 0.005  # out-of-tolerance rate allowed above the A/A noise floor
     error_budget: float = 0.01
     confidence: float = 0.99
-    warmup_samples: int = 20  # first candidate responses: outputs compared, latency not used (cold model)
-    # What the candidate's latency is paired with: "primary", the client's own request (no extra load;
-    # sound while Triton has headroom), or "shadow", a replay sent at the same moment as the candidate's
-    # copy to the baseline version loaded in the shadow model beside the candidate (an instance that,
-    # like the candidate's, takes no client traffic): both copies meet the same load. It costs a second
-    # instance of the baseline and one more inference per sample; every sample is then also an A/A one.
-    latency_pairing: str = "primary"
+    # A freshly loaded model is cold: latency pairs are taken only after the first `warmup_samples`
+    # candidate responses AND `warmup_s` seconds after the start (outputs are compared from the first).
+    warmup_samples: int = 20
+    warmup_s: float = 5.0
+    # What the candidate's latency is paired with: "shadow", a replay sent at the same moment as the
+    # candidate's copy to the baseline version loaded in the shadow model beside the candidate (an instance
+    # that, like the candidate's, takes no client traffic): both copies meet the same load, saturated or
+    # not. It costs a second instance of the baseline and one more inference per sample; every sample is
+    # then also an A/A one. "primary": the client's own request (no extra load; sound only while Triton
+    # and the CPU have headroom, else the copy, sent after the client's answer, queues where the client's
+    # request did not and an identical candidate looks slower).
+    latency_pairing: str = "shadow"
+    min_duration_s: float = 30.0  # wall-clock coverage of traffic before a promotion
+    min_class_samples: int = 10  # comparisons each request class of the gate's traffic needs before a promotion
+    recent_window: int = 400  # pairs and comparisons in the judge's recent-window checks (late regressions)
+    # Pin when the candidate's instances take more than this times the baseline's memory (both measured on
+    # Triton's host: resident memory of the python backend's processes, or their GPU memory; sidecar.memory).
+    max_memory_ratio: float = 1.5
 
     def __post_init__(self) -> None:
         _fraction("sample_rate", self.sample_rate, open_low=True)
         _fraction("aa_rate", self.aa_rate)
         _fraction("oot_budget", self.oot_budget)
         _fraction("error_budget", self.error_budget)
-        for name in ("timeout_s", "deadline_s", "required_speedup"):
+        for name in ("timeout_s", "deadline_s", "required_speedup", "max_memory_ratio"):
             _positive(name, getattr(self, name))
+        w = self.warmup_s
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
+            raise ConfigError(f"warmup_s must be a non-negative number, got {w!r}")
         if not isinstance(self.latency_slack, (int, float)) or not 0.0 <= self.latency_slack < 10:
             raise ConfigError(f"latency_slack must be within [0, 10), got {self.latency_slack!r}")
         if not isinstance(self.confidence, float) or not 0.5 < self.confidence < 1.0:
             raise ConfigError(f"confidence must be within (0.5, 1), got {self.confidence!r}")
         if self.latency_pairing not in LATENCY_PAIRINGS:
             raise ConfigError(f"latency_pairing must be one of {', '.join(LATENCY_PAIRINGS)}, got {self.latency_pairing!r}")
-        for name in ("max_in_flight", "min_samples", "warmup_samples"):
+        d = self.min_duration_s
+        if not isinstance(d, (int, float)) or isinstance(d, bool) or not math.isfinite(d) or d < 0:
+            raise ConfigError(f"min_duration_s must be a non-negative number, got {d!r}")
+        non_negative = ("warmup_samples", "min_class_samples")
+        for name in ("max_in_flight", "min_samples", "warmup_samples", "min_class_samples", "recent_window"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "warmup_samples" else 1):
-                raise ConfigError(f"{name} must be a {'non-negative' if name == 'warmup_samples' else 'positive'} "
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name in non_negative else 1):
+                raise ConfigError(f"{name} must be a {'non-negative' if name in non_negative else 'positive'} "
                                   f"integer, got {v!r}")  # fmt: skip
 
     def judge_params(self) -> JudgeParams:
@@ -83,6 +101,10 @@ class CanaryParams:
             required_speedup=self.required_speedup,
             latency_slack=self.latency_slack,
             confidence=self.confidence,
+            min_duration_s=self.min_duration_s,
+            min_class_samples=self.min_class_samples,
+            recent_window=self.recent_window,
+            max_memory_ratio=self.max_memory_ratio,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,8 +117,8 @@ class CanaryParams:
         if unknown:
             raise ConfigError(f"unknown canary parameters {unknown}; known: {sorted(known)}")
         values = {**(base or cls()).to_dict(), **raw}
-        for k in ("timeout_s", "deadline_s", "required_speedup", "latency_slack", "confidence",
-                  "sample_rate", "aa_rate", "oot_budget", "error_budget"):  # fmt: skip
+        for k in ("timeout_s", "deadline_s", "required_speedup", "latency_slack", "confidence", "warmup_s", "min_duration_s",
+                  "sample_rate", "aa_rate", "oot_budget", "error_budget", "max_memory_ratio"):  # fmt: skip
             if isinstance(values[k], int) and not isinstance(values[k], bool):
                 values[k] = float(values[k])
         return cls(**values)
@@ -120,6 +142,10 @@ class SidecarConfig:
     capture_max_per_second: float = 50.0
     capture_max_file_bytes: int = 64 << 20
     capture_max_files: int = 8
+    # After a promotion or a rollback, a model's version directories beyond the newest `retain_versions`
+    # are deleted, except the live version, a running candidate and the version a rollback brings back.
+    # 0 keeps every version.
+    retain_versions: int = 3
 
     def __post_init__(self) -> None:
         u = urlparse(self.upstream)
@@ -135,6 +161,9 @@ class SidecarConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         _fraction("capture_rate", self.capture_rate)
+        rv = self.retain_versions
+        if not isinstance(rv, int) or isinstance(rv, bool) or rv < 0:
+            raise ConfigError(f"retain_versions must be a non-negative integer (0 keeps all), got {rv!r}")
         if self.capture_rate > 0 and self.capture_dir is None:
             raise ConfigError("capture_rate > 0 needs capture_dir")
         if self.admin_token is not None and len(self.admin_token) < 16:

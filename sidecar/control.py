@@ -28,6 +28,7 @@ from tunegate.repository import parse_version_policy, set_version_policy
 
 LOG = logging.getLogger(__name__)
 SHADOW_SUFFIX = "__canary"
+TRASH_PREFIX = ".trash-"  # a version directory being deleted (retention)
 
 
 class ControlError(RuntimeError):
@@ -36,6 +37,10 @@ class ControlError(RuntimeError):
 
 class PromotionError(ControlError):
     """Promotion failed; the baseline was restored and keeps serving."""
+
+
+class RollbackFailed(ControlError):
+    """A rollback's first phase failed; the version that served before was restored and keeps serving."""
 
 
 def shadow_name(model: str) -> str:
@@ -134,14 +139,29 @@ class TritonControl:
         if status not in (200, 400):  # 400: not loaded, which is what we want anyway
             raise ControlError(f"Triton refused to unload {name!r} ({status}): {_error_text(text)}")
 
-    async def ready(self, name: str, version: int | None = None) -> bool:
-        path = f"/v2/models/{name}" + (f"/versions/{version}" if version is not None else "") + "/ready"
+    async def _get_ok(self, path: str, timeout_s: float) -> bool:
         try:
-            async with self.session.get(f"{self.base}{path}", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            async with self.session.get(f"{self.base}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 await resp.read()
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             return False
+
+    async def ready(self, name: str, version: int | None = None, timeout_s: float = 10.0) -> bool:
+        path = f"/v2/models/{name}" + (f"/versions/{version}" if version is not None else "") + "/ready"
+        return await self._get_ok(path, timeout_s)
+
+    async def server_ready(self, timeout_s: float = 2.0) -> bool:
+        """Triton's `/v2/health/ready`: reachable, and (strict readiness, the default) every model it tracks ready."""
+        return await self._get_ok("/v2/health/ready", timeout_s)
+
+    async def serving(self, model: str, version: int, timeout_s: float = 2.0) -> bool:
+        """Whether Triton is up and serving `model` `version`.
+
+        `/v2/health/ready` first; under strict readiness one model that failed to load (say, a broken
+        candidate) turns it 400 for good, so a server that says not ready but has the version ready serves.
+        """
+        return await self.server_ready(timeout_s) or await self.ready(model, version, timeout_s)
 
     # -- canary lifecycle ----------------------------------------------------------------------
     async def start_shadow(self, model: str, candidate: int, baseline: int | None = None) -> None:
@@ -196,6 +216,62 @@ class TritonControl:
         if parse_version_policy(text) != (candidate,):
             await asyncio.to_thread(atomic_write_text, self.config_path(model), set_version_policy(text, [candidate]))
         await self.load(model)
+
+    # -- rollback and retention ------------------------------------------------------------------
+    async def stage_rollback(self, model: str, target: int, current: int) -> None:
+        """Phase 1 of a rollback: policy [target, current] and reload, so both serve while routing switches.
+
+        The same two phases as a promotion, the other way round. If the reload fails or `target` is not ready
+        after it, policy [current] is restored and reloaded, and RollbackFailed says so (`current` keeps
+        serving). Idempotent; a rollback already finished (policy [target], target ready) is left alone.
+        """
+        text = await asyncio.to_thread(self.read_config, model)
+        if parse_version_policy(text) == (target,) and await self.ready(model, target):
+            return
+        old = set_version_policy(text, [current])
+        both = set_version_policy(text, sorted({target, current}))
+        await asyncio.to_thread(atomic_write_text, self.config_path(model), both)
+        try:
+            await self.load(model)
+            if not await self.ready(model, target):
+                raise ControlError(f"{model} version {target} is not ready after the reload")
+        except ControlError as exc:
+            LOG.error("rollback of %s to v%s failed (%s); restoring v%s", model, target, exc, current)
+            await asyncio.to_thread(atomic_write_text, self.config_path(model), old)
+            try:
+                await self.load(model)
+            except ControlError as again:
+                raise RollbackFailed(f"{exc}; restoring version {current} also failed: {again}") from exc
+            raise RollbackFailed(f"{exc}; version {current} was restored and keeps serving") from exc
+
+    async def finish_rollback(self, model: str, target: int) -> None:
+        """Phase 2 of a rollback: policy [target] and reload, which unloads the version rolled back from."""
+        await self.finish_promotion(model, target)
+
+    def remove_version(self, model: str, version: int) -> None:
+        """Delete a version directory atomically: renamed to a hidden trash directory beside it, then deleted.
+
+        Triton ignores hidden directories, so a process killed half-way leaves the version either in place or
+        gone from the repository's view; `clean_trash` finishes the deletion.
+        """
+        src = self.version_dir(model, version)
+        trash = self.repository / model / f"{TRASH_PREFIX}{version}-{os.urandom(4).hex()}"
+        os.rename(src, trash)
+        fsync_dir(self.repository / model)
+        _delete(trash)
+
+    def clean_trash(self, model: str) -> None:
+        """Finish deletions a killed process left behind."""
+        for p in (self.repository / model).glob(f"{TRASH_PREFIX}*"):
+            _delete(p)
+
+
+def _delete(path: Path) -> None:
+    """A directory tree, or only the link where a version directory was a symlink (its target is not ours)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _error_text(text: str) -> str:

@@ -18,8 +18,9 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.utils import floatToGoString
 
 ROLES = ("primary", "candidate", "aa")
-CANARY_STATES = ("idle", "running", "promoted", "pinned")
-OUTCOMES = ("promote", "pin", "inconclusive")
+SKIP_REASONS = ("sequence", "decoupled")  # as sidecar.semantics
+CANARY_STATES = ("idle", "running", "promoted", "pinned", "rolled_back")
+OUTCOMES = ("promote", "pin", "inconclusive", "rollback", "rollback_failed")
 
 # 1 ms .. 10 s, roughly 1-2-5 per decade: resolves both the tiny model and MiniLM's batches.
 LATENCY_BUCKETS = (
@@ -143,6 +144,10 @@ class SidecarMetrics:
             "tunegate_mirror_dropped", "Sampled mirror requests dropped (reason: full, shutdown).",
             ["model", "role", "reason"], registry=registry,
         )  # fmt: skip
+        self.mirror_skipped = LoopCounter(
+            "tunegate_mirror_skipped", "Sampled requests not mirrored for their semantics (reason: sequence, decoupled).",
+            ["model", "reason"], registry=registry,
+        )  # fmt: skip
         self.mirror_errors = LoopCounter(
             "tunegate_mirror_errors", "Mirror requests that failed (kind: error, timeout).",
             ["model", "version", "role", "kind"], registry=registry,
@@ -185,6 +190,15 @@ class SidecarMetrics:
             "tunegate_canary_deadline_timestamp_seconds", "When the current canary must have decided (unix seconds).",
             ["model"], registry=registry,
         )  # fmt: skip
+        self.canary_paused = Gauge(
+            "tunegate_canary_paused", "1 while the canary is paused: Triton unavailable or the shadow model lost.",
+            ["model"], registry=registry,
+        )  # fmt: skip
+        self.model_memory = Gauge(
+            "tunegate_model_memory_bytes",
+            "Memory of a canary's candidate and baseline instances on Triton's host (resident, or GPU where one serves).",
+            ["model", "version", "role"], registry=registry,
+        )  # fmt: skip
         self.decisions = Counter(
             "tunegate_decisions", "Canary decisions by outcome.", ["model", "outcome"], registry=registry
         )
@@ -215,6 +229,8 @@ class SidecarMetrics:
         for role in ROLES:
             self.mirror_sampled.labels(model, role)
             self.mirror_dropped.labels(model, role, "full")
+        for reason in SKIP_REASONS:
+            self.mirror_skipped.labels(model, reason)
             for out in outputs:
                 self.comparisons.labels(model, out, role)
                 self.out_of_tolerance.labels(model, out, role)

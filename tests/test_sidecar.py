@@ -42,8 +42,10 @@ MODELS = {
     "bigswap": {2: {"load_s": 2.0}},  # a big engine: slow to load, and its baseline slow to unload
     "pairgood": {2: {"noise": 1e-5}},  # judged with shadow latency pairing under saturation
     "pairslow": {2: {"delay_ms": 20}},
+    "defsame": {2: {"work": 20_000}},  # identical to its baseline (BASELINES), judged with default parameters
+    "defslow": {2: {"work": 200_000}},  # the same model doing ten times the CPU work (about 3 ms more)
 }
-BASELINES = {"bigswap": {"delay_ms": 5, "unload_s": 2.0}}
+BASELINES = {"bigswap": {"delay_ms": 5, "unload_s": 2.0}, "defsame": {"work": 20_000}, "defslow": {"work": 20_000}}
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +224,33 @@ async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar,
     assert rec["model"] == "pairslow" and rec["outcome"] == "pin" and "slower" in rec["reasons"][0], rec["reasons"]
 
 
+async def test_default_latency_evidence_holds_under_saturation(sidecar: Sidecar,
+                                                              client: aiohttp.ClientSession) -> None:  # fmt: skip
+    """Default canary parameters, 8 clients on 2 cores (Triton saturated): a candidate identical to its baseline is
+    not pinned on latency, while one doing ten times the work is."""
+    async with client.post(f"{sidecar.url}/canary/defsame", json={"candidate": 2}, headers=AUTH) as r:
+        assert r.status == 201, await r.text()
+    await drive(client, sidecar.url, "defsame", concurrency=8, timeout_s=20)
+    async with client.get(f"{sidecar.url}/canary/defsame", headers=AUTH) as r:
+        st = await r.json()
+    if st["state"] == "running":  # no decision yet: the judge's view so far, then end it
+        judgement = st["canary"]["judgement"]
+        assert judgement["stats"]["latency"]["pairs"] >= 100, judgement  # latency evidence was taken
+        assert judgement["stats"]["latency"]["share_above_limit_lower"] <= 0.5, judgement  # not shown slower
+        async with client.post(f"{sidecar.url}/canary/defsame/pin", headers=AUTH) as r:
+            assert r.status == 200
+    else:
+        [rec] = decisions(sidecar)
+        assert rec["decided_by"] == "judge" and not any("slower" in x for x in rec["reasons"]), rec["reasons"]
+        assert rec["evidence"]["latency"]["pairs"] >= 100, rec["evidence"]
+    async with client.post(f"{sidecar.url}/canary/defslow", json={"candidate": 2}, headers=AUTH) as r:
+        assert r.status == 201, await r.text()
+    seen = await drive(client, sidecar.url, "defslow", concurrency=8, timeout_s=30)
+    assert set(seen["codes"]) == {200}
+    rec = decisions(sidecar)[-1]
+    assert rec["model"] == "defslow" and rec["outcome"] == "pin" and "slower" in rec["reasons"][0], rec["reasons"]
+
+
 async def test_wrong_candidate_is_pinned_with_exemplars(sidecar: Sidecar, client: aiohttp.ClientSession,
                                                         triton: EmbeddedTriton, repo: Path) -> None:  # fmt: skip
     code, st = await start_canary(client, sidecar, "wrong", tolerance=None)
@@ -261,7 +290,8 @@ async def test_failing_candidate_is_pinned_with_no_client_error(sidecar: Sidecar
 
 async def test_slow_candidate_is_pinned_and_clients_do_not_wait(sidecar: Sidecar,
                                                                 client: aiohttp.ClientSession) -> None:  # fmt: skip
-    assert (await start_canary(client, sidecar, "slow", max_in_flight=4))[0] == 201
+    # Primary pairing: many copies in flight, so the mirror bound (max_in_flight) is what is exercised.
+    assert (await start_canary(client, sidecar, "slow", max_in_flight=4, latency_pairing="primary"))[0] == 201
     seen = await drive(client, sidecar.url, "slow")
     [rec] = decisions(sidecar)
     assert rec["outcome"] == "pin" and "slower" in rec["reasons"][0]

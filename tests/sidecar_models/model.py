@@ -1,8 +1,9 @@
 """Test model for the sidecar (python backend, numpy only): y = 2x, with a behaviour from behaviour.json.
 
-behaviour.json beside this file: {"noise": 0.0, "scale": 2.0, "delay_ms": 0, "fail": false, "nan": false,
-"load_s": 0, "unload_s": 0} (the last two: seconds that initialize() and finalize() take, as a big engine's would).
-A version without behaviour.json fails to load (used to make a promotion fail).
+behaviour.json beside this file: {"noise": 0.0, "scale": 2.0, "delay_ms": 0, "work": 0, "fail": false,
+"nan": false, "load_s": 0, "unload_s": 0} (the last two: seconds that initialize() and finalize() take, as a big engine's would).
+"alloc_mb": 0 makes an instance hold that many MiB from load on. A version without behaviour.json fails to load
+(used to make a promotion fail).
 """
 
 import json
@@ -21,10 +22,13 @@ class TritonPythonModel:
         self.scale = float(b.get("scale", 2.0))
         self.noise = float(b.get("noise", 0.0))
         self.delay_s = float(b.get("delay_ms", 0)) / 1000.0
+        self.work = int(b.get("work", 0))  # CPU work per request: iterations of a busy loop (delay_ms only sleeps)
         self.fail = bool(b.get("fail", False))
         self.nan = bool(b.get("nan", False))
         self.rng = np.random.default_rng(0)
         self.unload_s = float(b.get("unload_s", 0))
+        # "alloc_mb": memory the instance holds from load on (written, so it is resident), as a bigger model's would
+        self.ballast = np.ones(int(b.get("alloc_mb", 0)) << 20, dtype=np.uint8)
         time.sleep(float(b.get("load_s", 0)))
 
     def finalize(self):
@@ -35,6 +39,8 @@ class TritonPythonModel:
         for request in requests:
             if self.delay_s:
                 time.sleep(self.delay_s)
+            for _ in range(self.work):
+                pass
             if self.fail:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("candidate is broken")))
                 continue
