@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import math
+import multiprocessing
 import statistics
 import sys
 import time
@@ -249,23 +250,25 @@ def main(argv: list[str] | None = None) -> int:
                          "pairing's default aa_rate)")  # fmt: skip
     ap.add_argument("--no-peer", action="store_true", help="skip the Mann-Whitney peer")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (seeds are independent)")
     args = ap.parse_args(argv)
     params = JudgeParams()
     chosen = [s for s in SCENARIOS if not args.only or s.name in args.only]
     if not chosen:
         ap.error(f"no scenario named {args.only}; known: {', '.join(s.name for s in SCENARIOS)}")
     rows = []
+    pool = multiprocessing.Pool(args.jobs) if args.jobs > 1 else None
     for sc in chosen:
         t0 = time.monotonic()
-        results = [run_one(sc, seed, params, args.aa_every) for seed in range(args.seeds)]
+        work = [(sc, seed, params, args.aa_every) for seed in range(args.seeds)]
+        results = pool.starmap(run_one, work, chunksize=8) if pool else [run_one(*w) for w in work]
         row = summarize(sc, results)
         row["seconds"] = round(time.monotonic() - t0, 1)
         rows.append(row)
-        if not args.json:
-            err = f"{row['error_kind']} {row['error']:.1%}" if "error" in row else "reported only"
-            print(f"{sc.name:28s} {sc.truth:5s} promote {row['promote']:6.1%} pin {row['pin']:6.1%} "
+        err = f"{row['error_kind']} {row['error']:.1%}" if "error" in row else "reported only"
+        print(f"{sc.name:28s} {sc.truth:5s} promote {row['promote']:6.1%} pin {row['pin']:6.1%} "
                   f"inconclusive {row['inconclusive']:6.1%}  median n {row['median_samples']}  {err}  "
-                  f"({row['seconds']} s)", flush=True)  # fmt: skip
+                  f"({row['seconds']} s)", flush=True, file=sys.stderr if args.json else sys.stdout)  # fmt: skip
     peer = None
     if not args.no_peer:
         mw = mann_whitney_fixed_n(1.10, min(args.seeds, 300))

@@ -51,7 +51,7 @@ class CanaryParams:
     # A freshly loaded model is cold: latency pairs are taken only after the first `warmup_samples`
     # candidate responses AND `warmup_s` seconds after the start (outputs are compared from the first).
     warmup_samples: int = 20
-    warmup_s: float = 5.0
+    warmup_s: float = 10.0
     # What the candidate's latency is paired with: "shadow", a replay sent at the same moment as the
     # candidate's copy to the baseline version loaded in the shadow model beside the candidate (an instance
     # that, like the candidate's, takes no client traffic): both copies meet the same load, saturated or
@@ -66,6 +66,13 @@ class CanaryParams:
     # Pin when the candidate's instances take more than this times the baseline's memory (both measured on
     # Triton's host: resident memory of the python backend's processes, or their GPU memory; sidecar.memory).
     max_memory_ratio: float = 1.5
+    # The mirror budget (sidecar.budget): client p50 of the live version may rise by at most this fraction
+    # because of mirroring; above it the effective sample rate halves, below it grows slowly back to
+    # `sample_rate`. Measured against short pauses of the mirror (`budget_pause_s` every `budget_period_s`).
+    # None or 0 turns the control off: no pauses, the rate stays `sample_rate`.
+    max_client_slowdown: float | None = 0.05
+    budget_period_s: float = 30.0
+    budget_pause_s: float = 3.0
 
     def __post_init__(self) -> None:
         _fraction("sample_rate", self.sample_rate, open_low=True)
@@ -83,6 +90,15 @@ class CanaryParams:
             raise ConfigError(f"confidence must be within (0.5, 1), got {self.confidence!r}")
         if self.latency_pairing not in LATENCY_PAIRINGS:
             raise ConfigError(f"latency_pairing must be one of {', '.join(LATENCY_PAIRINGS)}, got {self.latency_pairing!r}")
+        s = self.max_client_slowdown
+        if s is not None and (not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s)
+                              or not 0.0 <= s < 10.0):  # fmt: skip
+            raise ConfigError(f"max_client_slowdown must be None or within [0, 10) (0 or None: off), got {s!r}")
+        for name in ("budget_period_s", "budget_pause_s"):
+            _positive(name, getattr(self, name))
+        if self.budget_pause_s >= self.budget_period_s:
+            raise ConfigError(f"budget_pause_s ({self.budget_pause_s}) must be shorter than budget_period_s "
+                              f"({self.budget_period_s})")  # fmt: skip
         d = self.min_duration_s
         if not isinstance(d, (int, float)) or isinstance(d, bool) or not math.isfinite(d) or d < 0:
             raise ConfigError(f"min_duration_s must be a non-negative number, got {d!r}")
@@ -118,7 +134,8 @@ class CanaryParams:
             raise ConfigError(f"unknown canary parameters {unknown}; known: {sorted(known)}")
         values = {**(base or cls()).to_dict(), **raw}
         for k in ("timeout_s", "deadline_s", "required_speedup", "latency_slack", "confidence", "warmup_s", "min_duration_s",
-                  "sample_rate", "aa_rate", "oot_budget", "error_budget", "max_memory_ratio"):  # fmt: skip
+                  "sample_rate", "aa_rate", "oot_budget", "error_budget", "max_memory_ratio", "max_client_slowdown",
+                  "budget_period_s", "budget_pause_s"):  # fmt: skip
             if isinstance(values[k], int) and not isinstance(values[k], bool):
                 values[k] = float(values[k])
         return cls(**values)

@@ -57,6 +57,9 @@ FINAL = (PROMOTE, PIN, INCONCLUSIVE)
 PIN_FAMILIES = 6  # errors, outputs, classes, p50, tail, recent window: each gets 1/6 of the pin error
 MIN_FAIL_FAST_EVENTS = 3  # never pin on one or two unlucky events
 MIN_LATENCY_PAIRS = 50
+# A latency pin needs this many pairs, and the slowdown seen again in the newer half of them: a model's first
+# seconds after loading (cold caches, the load's own CPU) are slow for reasons that pass.
+MIN_PIN_PAIRS = 200
 BLOCK = 50  # comparisons per block for the design effect (sidecar.state keeps per-block counts)
 BOOTSTRAP_RESAMPLES = 200
 BOOTSTRAP_MAX_PAIRS = 2000  # the most recent pairs of a look; bounds the judge's CPU cost
@@ -330,7 +333,7 @@ class _Look:
             "share_above_limit_upper": hi,
         }
         self.stats["latency"] = lat
-        if lo > 0.5:
+        if lo > 0.5 and self._persists(above):
             self.pin.append(f"candidate is slower: p50 ratio {lat['p50_ratio']:.3f} > allowed {self.limit:.3f} "
                             f"({s} of {n} pairs above it, share >= {lo:.1%})")  # fmt: skip
         elif hi >= 0.5:
@@ -339,6 +342,20 @@ class _Look:
         self._latency_by_class(ratio, n)
         self._tail(prim, cand, lat)
         self._recent(ratio, n)
+
+    @staticmethod
+    def _persists_tail(far_above: npt.NDArray[np.bool_]) -> bool:
+        """The newer half of the far pairs (in arrival order) leans above the limit too."""
+        newer = far_above[far_above.size // 2:]
+        return newer.size > 0 and rate_lower(int(newer.sum()), newer.size, HOLD_CONFIDENCE) > 0.5
+
+    @staticmethod
+    def _persists(flags: npt.NDArray[np.bool_], least: int = MIN_PIN_PAIRS) -> bool:
+        """Enough pairs for a latency pin, and the newer half shows the slowdown too (at HOLD_CONFIDENCE)."""
+        if flags.size < least:
+            return False
+        newer = flags[flags.size // 2:]
+        return rate_lower(int(newer.sum()), newer.size, HOLD_CONFIDENCE) > 0.5
 
     def _latency_by_class(self, ratio: npt.NDArray[np.float64], n: int) -> None:
         labels = list(self.ev.pair_class[-n:]) if len(self.ev.pair_class) >= n else []
@@ -357,7 +374,7 @@ class _Look:
             s = int((r > self.limit).sum())
             lo = rate_lower(s, r.size, conf) if s / r.size > 0.5 else 0.0
             per.setdefault(cls, {}).update(pairs=int(r.size), p50_ratio=float(np.median(r)), share_above_lower=lo)
-            if lo > 0.5:
+            if lo > 0.5 and self._persists(r > self.limit, MIN_PIN_PAIRS // 4):
                 self.pin.append(f"candidate is slower on request class {cls}: p50 ratio {np.median(r):.3f} > "
                                 f"allowed {self.limit:.3f} ({s} of {r.size} pairs above it)")  # fmt: skip
             elif s / r.size > 0.5 and rate_lower(s, r.size, HOLD_CONFIDENCE) > 0.5:
@@ -378,7 +395,8 @@ class _Look:
         down = int((ratio < self.limit / TAIL_FACTOR).sum())
         lo = rate_lower(up, up + down, self.params.pin_confidence) if up > down else 0.0
         lat.update(p95_ratio=point, tail_pairs_above=up, tail_pairs_below=down, tail_share_lower=lo)
-        if up >= MIN_FAIL_FAST_EVENTS and lo > 0.5:
+        far = ratio[(ratio > self.limit * TAIL_FACTOR) | (ratio < self.limit / TAIL_FACTOR)] > self.limit
+        if up >= MIN_FAIL_FAST_EVENTS and lo > 0.5 and ratio.size >= MIN_PIN_PAIRS and self._persists_tail(far):
             self.pin.append(f"candidate is slower in the tail: {up} pairs above {self.limit * TAIL_FACTOR:.2f}x "
                             f"against {down} below {self.limit / TAIL_FACTOR:.2f}x (p95 ratio {point:.3f})")  # fmt: skip
             return
@@ -396,7 +414,7 @@ class _Look:
         s = int((window > self.limit).sum())
         lo = 0.0 if s / w <= 0.5 else rate_lower(s, w, 1 - _spent(self.params.alpha / PIN_FAMILIES / 2, max(1, j - 1)))
         self.stats["latency"]["recent"] = {"pairs": w, "p50_ratio": float(np.median(window)), "share_above_lower": lo}
-        if lo > 0.5:
+        if lo > 0.5 and self._persists(window > self.limit):
             self.pin.append(f"candidate became slower: p50 ratio {np.median(window):.3f} over the last {w} pairs "
                             f"> allowed {self.limit:.3f}")  # fmt: skip
         elif s / w > 0.5 and rate_lower(s, w, HOLD_CONFIDENCE) > 0.5:
