@@ -9,6 +9,7 @@ anywhere in between finishes the same decision on restart: none lost, none doubl
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -23,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from sidecar.budget import BOUNDS, MirrorBudget
 from sidecar.config import CanaryParams, ConfigError, SidecarConfig
 from sidecar.control import SHADOW_SUFFIX, ControlError, PromotionError, TritonControl, shadow_name
 from sidecar.faults import Blame, MirrorFault, classify_answer, classify_exception
@@ -73,8 +75,14 @@ class Canary:
     semantics: ModelSemantics | None = None
     memory: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last memory sample's details
     memory_probe: MemoryProbe | None = None
+    # The mirror budget (sidecar.budget): the effective sample rate and the client latency windows. Not
+    # persisted: a restarted sidecar measures afresh, starting with a pause.
+    budget: MirrorBudget = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
+        p = self.params
+        self.budget = MirrorBudget(p.sample_rate, p.max_client_slowdown, p.budget_period_s, p.budget_pause_s,
+                                   time.monotonic())  # fmt: skip
         # Shadow pairing sends one pair at a time: with several in flight, the slower side's copies queue
         # behind each other at its instance while the faster side's do not, and a 3% slower candidate
         # looked twice as slow (closed-loop queueing). One pair at a time meets two empty queues.
@@ -133,6 +141,7 @@ class Canary:
         d["in_flight"] = len(self.slots)
         d["paused"] = self.paused
         d["memory"] = self.memory
+        d["mirror_budget"] = self.budget.status()
         return d
 
 
@@ -186,7 +195,11 @@ class CanaryManager:
         if canary is None or canary.pending is not None or canary.paused is not None or primary.status != 200:
             return
         p = canary.params
-        if not self.sample(p.sample_rate):
+        budget = canary.budget
+        counts = budget.counts  # the client latency window of the mirror budget (None: not counting now)
+        if counts is not None:
+            counts[bisect.bisect_left(BOUNDS, primary_s)] += 1
+        if not self.sample(budget.rate):
             return
         # Stateful sequences and decoupled models are not replayed (sidecar.semantics); counted, never mirrored.
         skip = canary.semantics.skip if canary.semantics is not None else None
@@ -322,6 +335,14 @@ class CanaryManager:
                     series.append(labels)
         self._dirty = True
 
+    def _budget_tick(self, canary: Canary) -> None:
+        """The mirror budget's schedule and controller (sidecar.budget), and its gauges."""
+        b = canary.budget
+        b.tick(time.monotonic(), len(canary.slots))
+        self.metrics.mirror_sample_rate.labels(canary.model).set(b.effective)
+        if b.added is not None:
+            self.metrics.client_slowdown.labels(canary.model).set(b.added)
+
     def _clear_memory_series(self) -> None:
         """Memory gauges of canaries that ended leave the exposition (a stale figure would read as current)."""
         live_ids = {c.id for c in self.canaries.values()}
@@ -438,6 +459,7 @@ class CanaryManager:
                     stats = (await loop.run_in_executor(None, call)).stats
                     await self.decide(model, self._paused_at_deadline(canary, stats), "sidecar")
                 continue
+            self._budget_tick(canary)
             await self._sample_memory(canary)
             snap = canary.evidence.snapshot()
             call = functools.partial(judge, snap, canary.params.judge_params(), now=time.time(), deadline=canary.deadline)
@@ -469,7 +491,8 @@ class CanaryManager:
                 return
             canary.pending = {
                 "canary_id": canary.id, "model": model, "candidate": canary.candidate, "baseline": canary.baseline,
-                "outcome": j.outcome, "reasons": list(j.reasons), "evidence": j.stats, "decided_by": by,
+                "outcome": j.outcome, "reasons": list(j.reasons), "evidence": {**j.stats, **canary.budget.record()},
+                "decided_by": by,
                 "exemplars": list(canary.evidence.exemplars), "started": canary.started, "at": time.time(),
                 "params": canary.params.to_dict(), "tolerance": canary.tolerance.to_dict(),
                 "tolerance_source": canary.tolerance_source,
@@ -612,6 +635,11 @@ class CanaryManager:
         self.metrics.canary_paused.labels(model).set(0 if canary is None or canary.paused is None else 1)
         if canary:
             self.metrics.oot_budget.labels(model).set(canary.params.oot_budget)
+            self.metrics.mirror_sample_rate.labels(model).set(canary.budget.effective)
+        else:  # a figure of a canary that ended would read as current
+            for gauge in (self.metrics.mirror_sample_rate, self.metrics.client_slowdown):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(model)
 
 
 class _MirrorJob:

@@ -144,7 +144,7 @@ def cmd_canary(args: argparse.Namespace) -> int:
 
 def _print_status(result: dict[str, Any]) -> None:
     t = Table("model", "state", "live", "candidate", "compared", "out of tol.", "errors", "memory MiB c/b", "skipped",
-              "judge says")  # fmt: skip
+              "mirror rate (client p50)", "judge says")  # fmt: skip
     for model, st in result["models"].items():
         c = st.get("canary") or {}
         ev = c.get("evidence", {})
@@ -154,8 +154,24 @@ def _print_status(result: dict[str, Any]) -> None:
             says = f"{st['last']['outcome']}: " + "; ".join(st["last"]["reasons"])
         t.add_row(model, st["state"], str(st.get("live")), str(c.get("candidate", "")), str(ev.get("compared", "")),
                   str(ev.get("out_of_tolerance", "")), str(ev.get("errors", "")), _memory_cell(c),
-                  ", ".join(f"{k} {v}" for k, v in sorted((ev.get("skipped") or {}).items()) if v), says)  # fmt: skip
+                  ", ".join(f"{k} {v}" for k, v in sorted((ev.get("skipped") or {}).items()) if v), _budget_cell(c),
+                  says)  # fmt: skip
     out.print(t)
+
+
+def _budget_cell(canary: dict[str, Any]) -> str:
+    """The effective mirror sample rate and the client p50 with and without mirroring ("0.25 (3.1/2.9 ms, +6.9%)")."""
+    b = canary.get("mirror_budget") or {}
+    if not b:
+        return ""
+    cell = f"{b['sample_rate']:.3g}"
+    if not b.get("enabled"):
+        return cell + " (budget off)"
+    on, off, added = b.get("client_p50_mirroring_s"), b.get("client_p50_paused_s"), b.get("added")
+    ms = "/".join("?" if v is None else f"{1000 * v:.3g}" for v in (on, off))
+    limit = f"{100 * b['max_client_slowdown']:g}%"
+    return f"{cell} ({ms} ms, " + ("?" if added is None else f"{100 * added:+.1f}%") + f" of {limit}" + (
+        ", paused)" if b.get("phase") == "paused" else ")")
 
 
 def _memory_cell(canary: dict[str, Any]) -> str:

@@ -70,7 +70,7 @@ class CanaryParams:
     # because of mirroring; above it the effective sample rate halves, below it grows slowly back to
     # `sample_rate`. Measured against short pauses of the mirror (`budget_pause_s` every `budget_period_s`).
     # None or 0 turns the control off: no pauses, the rate stays `sample_rate`.
-    max_client_slowdown: float | None = 0.05
+    max_client_slowdown: float | None = None
     budget_period_s: float = 30.0
     budget_pause_s: float = 3.0
 

@@ -190,6 +190,16 @@ class SidecarMetrics:
             "tunegate_canary_deadline_timestamp_seconds", "When the current canary must have decided (unix seconds).",
             ["model"], registry=registry,
         )  # fmt: skip
+        self.mirror_sample_rate = Gauge(
+            "tunegate_mirror_sample_rate",
+            "Effective mirror sample rate of the running canary (the mirror budget's controller; sample_rate at most).",
+            ["model"], registry=registry,
+        )  # fmt: skip
+        self.client_slowdown = Gauge(
+            "tunegate_client_slowdown",
+            "Fraction by which mirroring raises the live version's client p50 (last window against the last pause).",
+            ["model"], registry=registry,
+        )  # fmt: skip
         self.canary_paused = Gauge(
             "tunegate_canary_paused", "1 while the canary is paused: Triton unavailable or the shadow model lost.",
             ["model"], registry=registry,
