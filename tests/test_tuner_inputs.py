@@ -21,11 +21,11 @@ def tiny_onnx(tmp_path: Path) -> Path:
 
 
 def test_declared_inputs_follow_the_shapes_add_edge_cases_and_are_deterministic(tiny_onnx: Path) -> None:
-    spec = InputsSection(shapes=(Shape(1, None, 1.0), Shape(16, None, 3.0)), batches=40, seed=7)
-    a = make_inputs(spec, tiny_onnx, "tiny")
-    b = make_inputs(spec, tiny_onnx, "tiny")
+    spec = InputsSection(shapes=(Shape(1, None, 1.0), Shape(16, None, 3.0)), seed=7)
+    a = make_inputs(spec, tiny_onnx, "tiny", samples=40)
+    b = make_inputs(spec, tiny_onnx, "tiny", samples=40)
     assert a.digest == b.digest
-    assert a.digest != make_inputs(dataclasses.replace(spec, seed=8), tiny_onnx, "tiny").digest
+    assert a.digest != make_inputs(dataclasses.replace(spec, seed=8), tiny_onnx, "tiny", samples=40).digest
     rows = [x.rows for x in a.gate if x.label.startswith("dist-")]
     assert len(rows) == 40 and set(rows) == {1, 16} and rows.count(16) > rows.count(1)
     edges = {x.label: x.feeds["x"].shape for x in a.gate if x.label.startswith("edge:")}
@@ -48,8 +48,8 @@ def test_text_inputs_are_real_sentences_and_the_edges_cover_padding(tmp_path: Pa
     )
     path = tmp_path / "text.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    spec = InputsSection(values="text", shapes=(Shape(1, 32, 1.0), Shape(4, 32, 1.0)), batches=6, max_length=64)
-    inputs = make_inputs(spec, path, "m")
+    spec = InputsSection(values="text", shapes=(Shape(1, 32, 1.0), Shape(4, 32, 1.0)), max_length=64)
+    inputs = make_inputs(spec, path, "m", samples=6)
     ids = inputs.gate[0].feeds["input_ids"]
     assert ids[0, 0] == 101 and (ids[0] == 102).sum() == 1  # [CLS] ... [SEP]: tokenised text, not random ids
     edges = {b.label: b.feeds for b in inputs.gate if b.label.startswith("edge:")}
@@ -70,12 +70,17 @@ def test_a_capture_becomes_the_gate_batches_and_its_common_shapes_the_bench(tmp_
     body, hl = codec.encode_request({"x": np.zeros((1, 16), np.float32)})
     writer.write(CaptureRecord(ts=9.0, model="other", version=None, body=body, header_length=hl))
     writer.close()
-    spec = InputsSection(source="capture", capture=tmp_path / "cap", batches=100)
-    inputs = make_inputs(spec, tiny_onnx, "tiny")
+    spec = InputsSection(source="capture", capture=tmp_path / "cap")
+    inputs = make_inputs(spec, tiny_onnx, "tiny", samples=100)
     assert [b.rows for b in inputs.gate] == [5, 2, 2, 5, 2, 2]
     assert [(s.key, s.weight) for s in inputs.bench] == [("cap2x16", 4.0), ("cap5x16", 2.0)]
+    # each captured request is one gate sample: up to `samples` of them, in capture order
+    assert [b.rows for b in make_inputs(spec, tiny_onnx, "tiny", samples=4).gate] == [5, 2, 2, 5]
     with pytest.raises(InputsError, match="no captured requests for model 'absent'"):
-        make_inputs(spec, tiny_onnx, "absent")
+        make_inputs(spec, tiny_onnx, "absent", samples=100)
+    # fewer captured requests than the gate's budget needs: said at once, with both numbers
+    with pytest.raises(InputsError, match="6 captured requests for model 'tiny'; the gate needs at least 256"):
+        make_inputs(spec, tiny_onnx, "tiny", samples=300, needed=256)
 
 
 def test_bench_stats_and_objective() -> None:

@@ -1,5 +1,6 @@
-"""The tuner on the real demo model (slow): fused MiniLM, int8 per-channel rejected by the gate, int8 with the
-FFN down-projections kept fp32 accepted, written as version 2 and served by the real Triton."""
+"""The tuner on the real demo model (slow): fused MiniLM, int8 per-channel rejected by the gate (its share of
+requests out of the per-request tolerance is far above the budget), int8 with the FFN down-projections kept fp32
+accepted (far below it), written as version 2 and served by the real Triton."""
 
 from __future__ import annotations
 
@@ -43,16 +44,24 @@ def test_minilm_int8_is_rejected_keepffn_wins_and_serves_in_triton(
     by_quant = {r.knobs["quant"]: r for r in result.routes}
     rejected, kept = by_quant["int8-channel"], by_quant["int8-channel-keepffn"]
     threshold = spec.tolerance.for_output("embedding").threshold
+    budget, n = spec.gate.oot_budget, spec.gate.samples + 3  # the drawn requests and the three edge cases
     assert rejected.status == "rejected", rejected.accuracy
-    assert rejected.accuracy["outputs"]["embedding"]["value"] < threshold
+    bad = rejected.accuracy["rate"]
+    # rejected by its rate, with margin: even the lower bound is above the budget
+    assert bad["n"] == n and bad["lower"] > budget and bad["passed"] is False, bad
+    assert rejected.accuracy["outputs"]["embedding"]["value"] < threshold  # its worst request is out of tolerance
     assert kept.status == "passed", kept.accuracy
-    assert kept.accuracy["outputs"]["embedding"]["value"] >= threshold
+    good = kept.accuracy["rate"]
+    assert good["n"] == n and good["upper"] <= budget and good["rate"] < budget / 4, good
+    assert kept.accuracy["checks_passed"] is True
     assert (rejected.speedup or 0) > 1.0  # the gate exists for exactly this: faster, and wrong
 
     assert result.winner is not None and result.winner.knobs["quant"] == "int8-channel-keepffn", result.reason
     assert result.version == 2
     release = json.loads((result.version_path / "release.json").read_text())
     assert set(RELEASE_KEYS) <= set(release)
+    assert (release["gate"]["k"], release["gate"]["n"]) == (good["k"], n) and release["gate"]["budget"] == budget
+    assert release["gate"]["classes"] and sum(release["gate"]["class_counts"].values()) == n
     assert release["builder_notes"]["fused"]["Attention"] == 6
     assert len(release["builder_notes"]["kept_fp32"]) == 6  # layer.0..5/output/dense
     assert release["latency"]["triton"]["candidate"]["max_abs_diff_vs_in_process"] == 0.0

@@ -91,6 +91,11 @@ def test_the_gate_rejects_int8_keeps_fp32_and_the_written_version_serves_the_in_
     by_route = {r.knobs["quant"] + "/" + r.knobs["opt"]: r for r in result.routes}
     int8 = by_route["int8-channel/all"]
     assert int8.status == "rejected"
+    # every gate request is one sample of the out-of-tolerance rate: int8 breaks linf 1e-4 on (nearly) all of them
+    rate = int8.accuracy["rate"]
+    assert rate["n"] == spec.gate.samples + 2 and rate["k"] > rate["n"] // 2  # + the two edge cases
+    assert rate["upper"] > rate["budget"] == spec.gate.oot_budget and rate["passed"] is False
+    assert by_route["fp32/disable"].accuracy["rate"]["k"] == 0
     worst = int8.accuracy["outputs"]["y"]
     assert worst["passed"] is False and worst["value"] > worst["threshold"] == 1e-4
     assert worst["worst_input"].startswith(("dist-", "edge:"))
@@ -116,13 +121,18 @@ def test_the_gate_rejects_int8_keeps_fp32_and_the_written_version_serves_the_in_
     assert release["artifact_sha256"] == sha256_file(result.version_path / "model.onnx")
     assert release["rebuild_identical"] is True
     assert release["accuracy"]["y"]["passed"] is True
+    g = release["gate"]  # the gate in the canary's terms, next to its budget
+    assert (g["k"], g["n"], g["oot_rate"]) == (0, spec.gate.samples + 2, 0.0) and g["passed"] is True
+    assert g["upper"] <= g["budget"] == 0.02 and g["confidence"] == 0.99 and g["lower"] == 0.0
     assert release["latency"]["speedup"] == pytest.approx(
         release["latency"]["baseline"]["objective_ms"] / release["latency"]["candidate"]["objective_ms"]
     )
     assert release["latency"]["triton"]["candidate"]["max_abs_diff_vs_in_process"] == 0.0
     assert {"onnxruntime", "onnx", "numpy", "python", "cpu"} <= set(release["versions"])
     assert release["build_seconds"] > 0 and len(release["inputs_digest"]) == 64
-    assert result.report_path.read_text().count("<tr>") == 1 + len(result.routes)
+    report = result.report_path.read_text()
+    assert report.count("<tr>") == 1 + len(result.routes)
+    assert f"0/{spec.gate.samples + 2}</td>" in report and "<th>out of tolerance</th>" in report
 
     # The real Triton loads version 2 (config override only; config.pbtxt stays) and serves what ran in process.
     server = triton_factory(repo)

@@ -123,6 +123,35 @@ def _figures(summary: Mapping[str, Any], metrics_text: str) -> list[tuple[str, s
     return figs
 
 
+def _pct(v: Any) -> str:
+    return f"{100 * float(v):.2f}%" if isinstance(v, (int, float)) and not isinstance(v, bool) else "—"
+
+
+def gate_vs_canary(summary: Mapping[str, Any]) -> str:
+    """The tuner's gate (captured requests) and the canary (live requests) in the same terms, side by side."""
+    g = summary.get("gate") or {}
+    ev = summary.get("evidence") or {}
+    canary = summary.get("canary") or {}
+    if not g and not ev:
+        return ""
+    compared, oot = ev.get("compared"), ev.get("out_of_tolerance")
+    live_rate = oot / compared if isinstance(compared, int) and compared and isinstance(oot, int) else None
+    rows = [
+        ("requests judged", g.get("n"), compared),
+        ("out of tolerance", g.get("k"), oot),
+        ("rate", _pct(g.get("rate")), _pct(live_rate)),
+        ("upper bound", _pct(g.get("upper")), _pct(ev.get("oot_rate_upper", ev.get("oot_upper")))),
+        ("budget", _pct(g.get("budget")), _pct(canary.get("oot_budget", ev.get("oot_budget")))),
+        ("confidence", g.get("confidence"), canary.get("confidence")),
+        ("verdict", "passed" if g.get("passed") else ("rejected" if g else "—"), summary.get("decision")),
+    ]
+    body = "".join(f"<tr><td>{html.escape(str(name))}</td><td>{html.escape(str(a if a is not None else '—'))}</td>"
+                   f"<td>{html.escape(str(b if b is not None else '—'))}</td></tr>" for name, a, b in rows)
+    return ("<h2>Gate vs canary</h2><p>The same per-request tolerance and rate bound: the tuner's gate on the "
+            "captured requests, the canary on live ones.</p>"
+            f"<table><tr><td></td><td><b>gate (tuner)</b></td><td><b>canary (live)</b></td></tr>{body}</table>")
+
+
 def write_canary_report(path: Path, summary: Mapping[str, Any], metrics_text: str) -> Path:
     figs = _figures(summary, metrics_text)
     reasons = "".join(f"<li>{html.escape(str(r))}</li>" for r in summary.get("reasons", []))
@@ -141,6 +170,7 @@ def write_canary_report(path: Path, summary: Mapping[str, Any], metrics_text: st
 <p>scenario <b>{html.escape(str(summary.get('scenario')))}</b>, candidate version {html.escape(str(summary.get('candidate')))},
 live version now {html.escape(str(summary.get('live_version')))}, decided by {html.escape(str(summary.get('decided_by')))}</p>
 <ul>{reasons}</ul>
+{gate_vs_canary(summary)}
 {imgs}
 <h2>Evidence</h2><table>{ev_rows}</table>
 <p>decision records: <code>{html.escape(str(summary.get('records')))}</code></p>

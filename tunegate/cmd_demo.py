@@ -1,4 +1,5 @@
-"""`tunegate demo`: the main job on the embedded default — tune, canary under Locust load, decide.
+"""`tunegate demo`: the main job on the embedded default, in production's order — live traffic through the
+sidecar (captured), tune on that capture, canary of the winner under Locust load, decide.
 
 `--quick` only serves the baseline and prints one embedding (a smoke check of the install).
 """
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.markup import escape
 
 from tunegate import models
 from tunegate.console import CliError, emit_json, err, out
@@ -19,18 +21,24 @@ from tunegate.triton import EmbeddedTriton, TritonError, TritonOptions
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="the whole loop on the embedded Triton: tune -> canary under load -> decision")
+    p = sub.add_parser("demo", help="the whole loop on the embedded Triton: live traffic -> capture -> tune -> "
+                                    "canary under load -> decision")
     p.add_argument("--scenario", choices=["good", "bad"], default="good",
-                   help="good: a faster route within tolerance (PROMOTE expected); "
-                        "bad: int8 admitted by a loose tuner tolerance, judged strictly live (PIN expected)")  # fmt: skip
+                   help="good: a faster route far within the out-of-tolerance budget (PROMOTE expected); "
+                        "bad: a route admitted by a loose tuner spec, judged strictly live (PIN expected)")  # fmt: skip
     p.add_argument("--run-dir", type=Path, default=None, help="work directory (default .tunegate/runs/<stamp>)")
     p.add_argument("--cache", type=Path, default=None, help="model cache (default $TUNEGATE_CACHE or ~/.cache/tunegate)")
     p.add_argument("--budget-s", type=float, default=None, help="tuning time budget (default: the spec's)")
-    p.add_argument("--load-s", type=float, default=150.0, help="longest load replay; it stops once the canary decides")
+    p.add_argument("--capture-s", type=float, default=120.0,
+                   help="longest live replay before tuning; it stops once the capture holds the gate's requests")
+    p.add_argument("--load-s", type=float, default=150.0, help="longest canary load replay; it stops once the canary decides")
     p.add_argument("--users", type=int, default=6, help="Locust users")
+    p.add_argument("--canary-rate", type=float, default=10.0,
+                   help="requests per second during the canary (a saturated mirror drops copies, biased to large ones)")
     p.add_argument("--min-samples", type=int, default=300, help="comparisons before the judge may decide")
-    p.add_argument("--oot-budget", type=float, default=0.02,
-                   help="share of requests allowed outside the live tolerance, above the A/A noise floor")
+    p.add_argument("--oot-budget", type=float, default=None,
+                   help="share of requests allowed outside the live tolerance, above the A/A noise floor "
+                        "(default: the strict spec's [gate].oot_budget, the gate's own budget)")
     p.add_argument("--deadline-s", type=float, default=140.0, help="canary deadline (no clear answer: pin)")
     p.add_argument("--quick", action="store_true", help="only serve the baseline and print one embedding")
     p.add_argument("--text", default="Triton serves the baseline while tunegate judges the candidate.")
@@ -46,14 +54,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         opts = DemoOptions(
             scenario=args.scenario, run_dir=args.run_dir, cache=args.cache, tune_budget_s=args.budget_s,
-            load_s=args.load_s, users=args.users, min_samples=args.min_samples, deadline_s=args.deadline_s,
+            capture_s=args.capture_s, load_s=args.load_s, users=args.users, canary_rate=args.canary_rate, min_samples=args.min_samples, deadline_s=args.deadline_s,
             oot_budget=args.oot_budget,
             progress=not args.json,
         )  # fmt: skip
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     try:
-        summary = run_demo(opts, step=lambda msg: err.print(f"[bold cyan]>>[/] {msg}"))
+        summary = run_demo(opts, step=lambda msg: err.print(f"[bold cyan]>>[/] {escape(msg)}"))
     except (DemoError, TritonError, models.ModelError) as exc:
         raise CliError(str(exc), code=1) from exc
     if args.json:
@@ -63,10 +71,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pct(v: Any) -> str:
+    return f"{100 * float(v):.2f}%" if isinstance(v, int | float) else "—"
+
+
 def _print_summary(s: dict[str, Any]) -> None:
+    cap = s.get("capture", {})
+    out.print(f"[bold]capture[/]: {cap.get('requests')} live requests captured by the sidecar in {cap.get('dir')}")
     tune = s.get("tune", {})
     out.print(f"[bold]tune[/]: winner {tune.get('winner')} (x{tune.get('speedup') or 0:.2f}) -> version "
               f"{tune.get('version')}; report {s.get('tune_report')}")  # fmt: skip
+    g = s.get("gate") or {}
+    if g:
+        out.print(f"[bold]gate[/]: {g.get('k')}/{g.get('n')} captured requests out of tolerance ({_pct(g.get('rate'))}), "
+                  f"upper bound {_pct(g.get('upper'))} <= budget {_pct(g.get('budget'))} at {g.get('confidence')}")  # fmt: skip
     if s.get("decision") is None:
         out.print(f"[bold]decision[/]: none — {s.get('reason')}")
         return
@@ -80,6 +98,10 @@ def _print_summary(s: dict[str, Any]) -> None:
     out.print(f"[bold]load[/]: {load.get('requests')} requests replayed through the sidecar, "
               f"{load.get('failures')} client failures, p50 {load.get('median_ms')} ms, p95 {load.get('p95_ms')} ms")  # fmt: skip
     ev = s.get("evidence", {})
+    compared, oot = ev.get("compared"), ev.get("out_of_tolerance")
+    if isinstance(compared, int) and compared and isinstance(oot, int):
+        out.print(f"[bold]canary[/]: {oot}/{compared} live requests out of tolerance ({_pct(oot / compared)}), "
+                  f"budget {_pct((s.get('canary') or {}).get('oot_budget'))}")  # fmt: skip
     if ev:
         keys = [k for k in ("compared", "out_of_tolerance", "aa_compared", "aa_out_of_tolerance", "errors", "timeouts",
                             "p50_ratio", "p95_ratio") if k in ev]  # fmt: skip

@@ -1,22 +1,47 @@
 """The accuracy gate: a candidate's outputs against the reference's on the spec's inputs and edge cases.
 
-The comparison itself is tunegate.tolerance.compare_many (the sidecar runs the same code live);
-this module runs both sides over the gate batches and turns the verdict into the evidence the
-cache, the report and release.json keep (which output, metric, value, threshold, worst sample).
+The gate speaks the canary's language. Every gate request (a batch of the declared distribution, an
+edge case, or one captured request) is one sample; a sample is out of tolerance (OOT) when
+tunegate.tolerance.compare fails for it, exactly the per-request check the sidecar runs on live
+traffic. A route passes when the one-sided upper bound of its OOT rate (tunegate.stats.rate_bounds,
+the anytime-valid bound the sidecar's judge uses) is at most the spec's `[gate].oot_budget`, and
+the pooled `[gate.checks]` (worst sample or quantile over every gate row; compare_many) hold too.
+
+This module runs both sides over the gate batches and turns the verdict into the evidence the
+cache, the report and release.json keep: k, n, the rate and its bounds, budget and confidence, which
+requests broke the tolerance, and per output the pooled statistic and its worst sample.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from tunegate.tolerance import ToleranceSpec, Verdict, compare_many
+from tunegate.stats import rate_bounds
+from tunegate.tolerance import ToleranceSpec, Verdict, compare, compare_many
 from tuner.builders.base import Runner
 from tuner.inputs import InputSet
+from tuner.spec import GateSection
 
 Outputs = list[dict[str, np.ndarray]]
+MAX_OOT_LISTED = 20  # the evidence names at most this many out-of-tolerance requests
+
+
+def request_classes(inputs: InputSet) -> dict[str, int]:
+    """Gate requests per request class, named as the sidecar's judge names live ones (batch, sequence bucket)."""
+    from sidecar.mirror import request_class
+    from tunegate import codec
+
+    counts: dict[str, int] = {}
+    for b in inputs.gate:
+        body, hl = codec.encode_request(b.feeds, binary=True)
+        headers = [(b"Inference-Header-Content-Length", str(hl).encode())] if hl is not None else []
+        cls = request_class(body, headers)
+        counts[cls] = counts.get(cls, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def run_all(runner: Runner, inputs: InputSet) -> Outputs:
@@ -27,20 +52,103 @@ def judge(reference: Outputs, candidate: Outputs, tolerance: ToleranceSpec) -> V
     return compare_many(reference, candidate, tolerance)
 
 
-def evidence(verdict: Verdict, inputs: InputSet) -> dict[str, Any]:
-    """Per-output verdict dicts, each naming where its worst sample came from."""
+def _outputs(verdict: Verdict, inputs: InputSet) -> dict[str, dict[str, Any]]:
     outs = {}
     for name, ov in verdict.outputs.items():
         d = ov.to_dict()
         d["worst_input"] = inputs.locate(ov.worst_sample) if ov.worst_sample >= 0 else None
         outs[name] = d
-    return {"passed": verdict.passed, "outputs": outs, "summary": verdict.summary()}
+    return outs
+
+
+def evidence(verdict: Verdict, inputs: InputSet) -> dict[str, Any]:
+    """Per-output verdict dicts of a pooled comparison, each naming where its worst sample came from."""
+    return {"passed": verdict.passed, "outputs": _outputs(verdict, inputs), "summary": verdict.summary()}
+
+
+@dataclasses.dataclass(frozen=True)
+class RateVerdict:
+    """The out-of-tolerance rate of a route over the gate's samples, with the judge's bounds."""
+
+    k: int  # samples out of tolerance
+    n: int  # samples compared
+    lower: float
+    upper: float
+    budget: float
+    confidence: float
+    oot: tuple[int, ...]  # indices of the samples out of tolerance
+
+    @property
+    def rate(self) -> float:
+        return self.k / self.n if self.n else 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.n > 0 and self.upper <= self.budget
+
+    def describe(self) -> str:
+        op = "<=" if self.passed else ">"
+        return (f"out of tolerance {self.k}/{self.n} = {100 * self.rate:.2f}% (upper bound {100 * self.upper:.2f}% "
+                f"at {self.confidence:g}) {op} budget {100 * self.budget:g}%")
+
+    def to_dict(self, inputs: InputSet | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "k": self.k, "n": self.n, "rate": self.rate, "lower": self.lower, "upper": self.upper,
+            "budget": self.budget, "confidence": self.confidence, "passed": self.passed,
+        }  # fmt: skip
+        if inputs is not None:
+            d["oot_inputs"] = [inputs.gate[i].label for i in self.oot[:MAX_OOT_LISTED]]
+        return d
+
+
+def oot_rate(reference: Outputs, candidate: Outputs, tolerance: ToleranceSpec, budget: float,
+             confidence: float) -> RateVerdict:
+    """Each request judged on its own by `compare` (the sidecar's live check), then the rate's bounds."""
+    if len(reference) != len(candidate):
+        raise ValueError(f"{len(reference)} reference requests but {len(candidate)} candidate requests")
+    oot = tuple(i for i, (r, c) in enumerate(zip(reference, candidate, strict=True))
+                if not compare(r, c, tolerance).passed)  # fmt: skip
+    n = len(reference)
+    lower, upper = rate_bounds(len(oot), n, confidence)
+    return RateVerdict(len(oot), n, lower, upper, budget, confidence, oot)
+
+
+def gate_evidence(reference: Outputs, candidate: Outputs, tolerance: ToleranceSpec, gate: GateSection,
+                  inputs: InputSet) -> dict[str, Any]:
+    """The gate's verdict and its evidence (what the cache, the report and release.json keep).
+
+    `passed` needs the rate's upper bound within the budget and every `[gate.checks]` tolerance;
+    `outputs` is each output's pooled statistic under the per-request tolerance (its worst sample),
+    shown for the report's scatter and never a reason on its own.
+    """
+    rate = oot_rate(reference, candidate, tolerance, gate.oot_budget, gate.confidence)
+    pooled = compare_many(reference, candidate, tolerance)
+    checks = compare_many(reference, candidate, gate.checks) if gate.checks is not None else None
+    passed = rate.passed and (checks is None or checks.passed)
+    summary = rate.describe()
+    if checks is not None:
+        summary += "; checks: " + checks.summary()
+    if rate.k:
+        worst = "; ".join(o.reason for o in pooled.outputs.values())
+        summary += f"; worst request: {worst}"
+    return {
+        "passed": passed,
+        "rate": rate.to_dict(inputs),
+        "classes": request_classes(inputs),
+        "checks": _outputs(checks, inputs) if checks is not None else {},
+        "checks_passed": checks is None or checks.passed,
+        "outputs": _outputs(pooled, inputs),
+        "summary": summary,
+    }
 
 
 def error_value(accuracy: dict[str, Any]) -> float:
-    """How far a route is from failing its tightest output, for the report's error axis (0 = at threshold)."""
+    """How far a route is from failing its tightest check, for the report's error axis (0 = at threshold)."""
     worst = -np.inf
-    for d in accuracy.get("outputs", {}).values():
+    rate = accuracy.get("rate")
+    if rate:  # the gate's verdict: the rate's bound and the pooled checks (the outputs are information)
+        worst = float(rate["upper"]) - float(rate["budget"])
+    for d in (accuracy.get("checks", {}) if rate else accuracy.get("outputs", {})).values():
         if d.get("threshold") is None:
             continue
         value, thr = float(d["value"]), float(d["threshold"])

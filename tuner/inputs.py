@@ -4,6 +4,9 @@ Declared inputs read the source ONNX's input names, types and dims: axis 0 is th
 second symbolic axis the sequence. `values = "text"` feeds tokenised real sentences (BERT-style
 `input_ids`/`attention_mask`/`token_type_ids`); `normal`/`uniform` feed seeded random values.
 A capture (written by the sidecar) replaces the distribution with recorded requests.
+Every gate batch is one *sample* of the gate's out-of-tolerance rate, as every live request is one
+for the sidecar's canary: `samples` captured requests, or `samples` batches drawn from the declared
+distribution plus the edge cases.
 Everything is deterministic for a given spec; `digest` is what release.json records.
 """
 
@@ -175,17 +178,21 @@ def _edge_cases(descs: list[InputDesc], spec: InputsSection, text: _Text | None,
     ]
 
 
-def _from_capture(spec: InputsSection, model: str, descs: list[InputDesc]) -> InputSet:
-    from tunegate.capture import CaptureError, load_capture
+def _from_capture(spec: InputsSection, model: str, descs: list[InputDesc], samples: int, needed: int) -> InputSet:
+    from tunegate.capture import CaptureError, read_capture
     from tunegate.codec import CodecError
 
     assert spec.capture is not None
     gate: list[Batch] = []
     try:
-        records = [r for r in load_capture(spec.capture) if r.model == model]
+        # not strict: the sidecar may be writing the capture's last line right now (a torn line is skipped)
+        records = [r for r in read_capture(spec.capture, strict=False) if r.model == model]
         if not records:
             raise InputsError(f"{spec.capture}: no captured requests for model {model!r}")
-        for i, rec in enumerate(records[: spec.batches]):
+        if len(records) < needed:
+            raise InputsError(f"{spec.capture}: {len(records)} captured requests for model {model!r}; the gate needs "
+                              f"at least {needed} to show its out-of-tolerance budget (capture more traffic)")
+        for i, rec in enumerate(records[:samples]):
             gate.append(Batch(f"capture-{i}", rec.decode().arrays()))
     except (CaptureError, CodecError) as exc:
         raise InputsError(f"{spec.capture}: {exc}") from exc
@@ -202,16 +209,22 @@ def _from_capture(spec: InputsSection, model: str, descs: list[InputDesc]) -> In
     return InputSet(tuple(gate), tuple(bench), _digest([b.feeds for b in gate]))
 
 
-def make_inputs(spec: InputsSection, source: Path, model: str) -> InputSet:
-    """Gate batches and bench shapes for the spec (deterministic)."""
+def make_inputs(spec: InputsSection, source: Path, model: str, samples: int, needed: int = 1) -> InputSet:
+    """Gate batches (`samples` of them, plus the edge cases of a declared distribution) and bench shapes.
+
+    `needed` is the fewest gate requests the gate can pass on; a capture with fewer is an error.
+    Deterministic for a given spec.
+    """
+    if samples < 1:
+        raise InputsError(f"the gate needs at least one sample, got {samples}")
     descs = describe_inputs(source)
     if spec.source == "capture":
-        return _from_capture(spec, model, descs)
+        return _from_capture(spec, model, descs, samples, needed)
     rng = np.random.default_rng(spec.seed)
     text = _Text(descs, spec) if spec.values == "text" else None
     weights = np.array([s.weight for s in spec.shapes])
     gate = []
-    for i in range(spec.batches):
+    for i in range(samples):
         shape = spec.shapes[int(rng.choice(len(spec.shapes), p=weights / weights.sum()))]
         if text is not None:
             # Gate batches keep the sentences' natural lengths (up to max_length): truncating them to

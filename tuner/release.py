@@ -2,8 +2,9 @@
 
 release.json's top-level keys are a contract (the sidecar and the demo read them): model,
 version, route, knobs, spec, spec_digest, reference, tolerance (ToleranceSpec.to_dict()),
-inputs_digest, accuracy, latency, baseline_version, artifact_sha256, rebuild_identical,
-versions, build_seconds, created_at. config.pbtxt and existing versions are never touched: the
+inputs_digest, accuracy, gate (the out-of-tolerance rate over the gate's requests: k, n, rate,
+its lower and upper bounds, budget, confidence, and the pooled checks), latency, baseline_version,
+artifact_sha256, rebuild_identical, versions, build_seconds, created_at. config.pbtxt and existing versions are never touched: the
 new version stays unserved until the sidecar's canary.
 """
 
@@ -24,7 +25,7 @@ from tuner.spec import TuneSpec
 
 RELEASE_KEYS = (
     "model", "version", "route", "knobs", "spec", "spec_digest", "reference", "tolerance", "inputs_digest",
-    "accuracy", "latency", "baseline_version", "artifact_sha256", "rebuild_identical", "versions",
+    "accuracy", "gate", "latency", "baseline_version", "artifact_sha256", "rebuild_identical", "versions",
     "build_seconds", "created_at",
 )  # fmt: skip
 
@@ -96,7 +97,9 @@ def build_release(
     versions: Mapping[str, Any],
     build_seconds: float,
     inputs_digest: str,
+    gate: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """release.json's content; `gate` is the winner's gate evidence (tuner.gate.gate_evidence)."""
     from tuner.spec import ReferenceSection
 
     ref: ReferenceSection = spec.reference
@@ -122,6 +125,7 @@ def build_release(
         "tolerance": spec.tolerance.to_dict(),
         "inputs_digest": inputs_digest,
         "accuracy": dict(accuracy),
+        "gate": gate_record(spec, gate or {}),
         "latency": dict(latency),
         "baseline_version": baseline_version,
         "artifact_sha256": sha256_file(artifact.path),
@@ -129,6 +133,43 @@ def build_release(
         "versions": dict(versions),
         "build_seconds": round(build_seconds, 3),
         "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+# The request classes the canary must see before it promotes: the traffic's main shapes, as the gate saw them
+# (at least this share of the gate's requests, and at least this many of them).
+MIN_CLASS_SHARE = 0.05
+MIN_CLASS_REQUESTS = 10
+
+
+def gate_record(spec: TuneSpec, evidence: Mapping[str, Any]) -> dict[str, Any]:
+    """The gate as release.json keeps it: the rate in the canary's terms, next to the spec's budget.
+
+    `classes` maps each main request class (sidecar.mirror.request_class; at least MIN_CLASS_SHARE of the
+    gate's requests and MIN_CLASS_REQUESTS of them) to its share: the sidecar's canary expects live
+    evidence on each before it promotes. `class_counts` has every class the gate saw.
+    """
+    g = spec.gate
+    rate = dict(evidence.get("rate") or {})
+    counts = {str(k): int(v) for k, v in (evidence.get("classes") or {}).items()}
+    total = sum(counts.values())
+    return {
+        "oot_rate": rate.get("rate"),
+        "k": rate.get("k"),
+        "n": rate.get("n"),
+        "lower": rate.get("lower"),
+        "upper": rate.get("upper"),
+        "budget": g.oot_budget,
+        "confidence": g.confidence,
+        "passed": evidence.get("passed"),
+        "oot_inputs": rate.get("oot_inputs", []),
+        "samples": g.samples,
+        "source": spec.inputs.source,
+        "checks": g.checks.to_dict() if g.checks is not None else {},
+        "checks_passed": evidence.get("checks_passed"),
+        "classes": {c: round(n / total, 4) for c, n in counts.items()
+                    if c and n >= MIN_CLASS_REQUESTS and n >= MIN_CLASS_SHARE * total},
+        "class_counts": counts,
     }
 
 

@@ -138,7 +138,7 @@ class _Search:
             outputs = gate.run_all(runner, self.inputs)
         except Exception as exc:  # noqa: BLE001 - a route whose artifact will not run fails alone
             return self._done(RouteResult(key, knobs, stage, "failed", error=f"run failed: {exc}", build_seconds=build_s))
-        evidence = gate.evidence(gate.judge(self.reference, outputs, self.spec.tolerance), self.inputs)
+        evidence = gate.gate_evidence(self.reference, outputs, self.spec.tolerance, self.spec.gate, self.inputs)
         b = self.spec.bench
         latency, base_latency = bench_paired(runner, self.baseline_runner, self.inputs.bench, warmup=b.warmup,
                                              repeats=repeats, bootstrap=b.bootstrap)
@@ -256,8 +256,10 @@ def _tune(spec: TuneSpec, builder: Builder, strategy: str, budget: float, resume
     cache = SearchCache.open(spec.workdir / "cache.jsonl", header, resume=resume)
 
     with Reporter(progress) as rep:
-        rep.note("preparing inputs and the reference")
-        inputs = make_inputs(spec.inputs, spec.model.source, spec.model.name)
+        g = spec.gate
+        rep.note(f"preparing inputs and the reference (gate: {g.samples} samples, out-of-tolerance budget "
+                 f"{100 * g.oot_budget:g}% at {g.confidence:g} confidence)")
+        inputs = make_inputs(spec.inputs, spec.model.source, spec.model.name, g.samples, g.needed)
         save_batches(spec.workdir / "calibration.npz", [dict(b.feeds) for b in inputs.gate])
         ref_runtime = {"session": {"graph_optimization_level": spec.reference.graph_optimization_level,
                                    "intra_op_num_threads": spec.reference.intra_op_num_threads},
@@ -274,7 +276,7 @@ def _tune(spec: TuneSpec, builder: Builder, strategy: str, budget: float, resume
             lat = bench_runner(base_runner, inputs.bench, warmup=b.warmup, repeats=b.repeats, bootstrap=b.bootstrap)
             base_rec = {"kind": "baseline", "version": baseline_version, "latency": lat,
                         "objective_ms": objective(lat, inputs.bench, spec.objective),
-                        "accuracy": gate.evidence(gate.judge(reference, base_outputs, spec.tolerance), inputs)}
+                        "accuracy": gate.gate_evidence(reference, base_outputs, spec.tolerance, spec.gate, inputs)}
             cache.append(base_rec)
         baseline = {k: base_rec[k] for k in ("version", "objective_ms", "latency", "accuracy")}
 
@@ -307,6 +309,7 @@ def _tune(spec: TuneSpec, builder: Builder, strategy: str, budget: float, resume
          "version": version, "reason": reason},
         [dataclasses.asdict(r) for r in results],
         spec.tolerance,
+        spec.gate,
     )
     return TuneResult(spec.model.name, strategy, winner, version, version_path, report, cache.path, results,
                       baseline, e2e, reason, search.stopped, release)
@@ -315,12 +318,16 @@ def _tune(spec: TuneSpec, builder: Builder, strategy: str, budget: float, resume
 def _reason(results: list[RouteResult], winner: RouteResult | None, stopped: bool, spec: TuneSpec) -> str:
     budget = " (the time budget stopped the search)" if stopped else ""
     if winner is not None:
-        return f"{winner.route} is {winner.speedup:.2f}x the baseline within tolerance{budget}"
+        rate = (winner.accuracy or {}).get("rate") or {}
+        within = (f"{rate['k']}/{rate['n']} requests out of tolerance, upper bound {100 * rate['upper']:.2f}% <= "
+                  f"budget {100 * rate['budget']:g}%") if rate else "within tolerance"
+        return f"{winner.route} is {winner.speedup:.2f}x the baseline, {within}{budget}"
     passed = [r for r in results if r.status == "passed"]
     if not results:
         return f"no route finished{budget}"
     if not passed:
-        return f"no route passed the accuracy gate ({len(results)} tried){budget}"
+        return (f"no route passed the accuracy gate ({len(results)} tried; out-of-tolerance budget "
+                f"{100 * spec.gate.oot_budget:g}% at {spec.gate.confidence:g} confidence){budget}")
     best = max(r.speedup or 0.0 for r in passed)
     return (f"no route beats the baseline within tolerance: best passing route is {best:.2f}x, "
             f"needs >= {spec.objective.min_speedup:g}x{budget}")

@@ -56,12 +56,37 @@ class InputsSection:
     capture: Path | None = None
     values: str = "normal"  # text | normal | uniform (declared inputs)
     shapes: tuple[Shape, ...] = (Shape(1, None, 1.0),)
-    batches: int = 16  # accuracy batches drawn from the distribution (or capture records used)
     edge_cases: bool = True
     seed: int = 0
     mean: float = 0.0
     std: float = 1.0
     max_length: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class GateSection:
+    """The gate in the canary's terms: each gate request is one sample, judged by `[tolerance]` on its own.
+
+    A route passes when the anytime-valid upper bound (tunegate.stats.rate_bounds, the bound the
+    sidecar's judge uses) of its out-of-tolerance rate is at most `oot_budget`, and every pooled
+    `checks` tolerance (worst sample, quantile over all gate rows) holds too.
+    """
+
+    oot_budget: float = 0.005  # the sidecar canary's default
+    confidence: float = 0.99
+    samples: int = 0  # gate requests (captured, or drawn plus the edge cases); 0 = the fewest that can pass
+    checks: ToleranceSpec | None = None
+
+    @property
+    def needed(self) -> int:
+        """The fewest samples whose bound, with no request out of tolerance, is within the budget."""
+        return samples_needed(self.oot_budget, self.confidence)
+
+
+def samples_needed(budget: float, confidence: float) -> int:
+    from tunegate.stats import samples_to_show_below
+
+    return samples_to_show_below(budget, confidence)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +126,7 @@ class TuneSpec:
     reference: ReferenceSection
     inputs: InputsSection
     tolerance: ToleranceSpec
+    gate: GateSection
     objective: ObjectiveSection
     bench: BenchSection
     search: SearchSection
@@ -208,11 +234,38 @@ def _resolve_source(base: Path, value: Any) -> Path:
     return p
 
 
+def _gate(table: Mapping[str, Any], where: str) -> GateSection:
+    body = dict(table)
+    raw_checks = body.pop("checks", None)
+    checks = None
+    if raw_checks is not None:
+        if not isinstance(raw_checks, Mapping):
+            raise SpecError(f"{where}: [gate.checks] must be a table of output name -> {{metric, threshold, ...}}")
+        try:
+            checks = ToleranceSpec.from_dict(raw_checks)
+        except ToleranceError as exc:
+            raise SpecError(f"{where}: [gate.checks]: {exc}") from exc
+    gate: GateSection = _section(GateSection, body, f"{where}: [gate]")
+    if not 0.0 < gate.oot_budget < 1.0:
+        raise SpecError(f"{where}: [gate].oot_budget must be within (0, 1), got {gate.oot_budget}")
+    if not 0.5 < gate.confidence < 1.0:
+        raise SpecError(f"{where}: [gate].confidence must be within (0.5, 1), got {gate.confidence}")
+    needed = gate.needed
+    if "samples" not in body:
+        return dataclasses.replace(gate, samples=needed, checks=checks)
+    if gate.samples < needed:
+        raise SpecError(
+            f"{where}: [gate].samples = {gate.samples} cannot pass: with no request out of tolerance, the "
+            f"upper bound of the rate at {gate.confidence:g} confidence reaches oot_budget = {gate.oot_budget:g} "
+            f"only from {needed} samples; set samples >= {needed} (more leave room for a few failures)")
+    return dataclasses.replace(gate, checks=checks)
+
+
 def parse_spec(raw: Mapping[str, Any], path: Path) -> TuneSpec:
     """Validate a loaded TOML document (exposed for tests); `path` anchors relative paths."""
     where = str(path)
     base = path.parent.resolve()
-    known = {"model", "reference", "inputs", "tolerance", "objective", "bench", "search", "output"}
+    known = {"model", "reference", "inputs", "tolerance", "gate", "objective", "bench", "search", "output"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise SpecError(f"{where}: unknown tables {unknown} (known: {sorted(known)})")
@@ -234,6 +287,9 @@ def parse_spec(raw: Mapping[str, Any], path: Path) -> TuneSpec:
     _positive("[reference].intra_op_num_threads", reference.intra_op_num_threads)
 
     it = _table(raw, "inputs", where)
+    if "batches" in it:
+        raise SpecError(f"{where}: [inputs].batches is now [gate].samples: each gate request is one sample of the "
+                        "out-of-tolerance rate the gate bounds, as each live request is for the canary")
     shapes = _shapes(it["shapes"], "[inputs].shapes") if "shapes" in it else None
     capture = _path(base, it["capture"], "[inputs].capture") if "capture" in it else None
     inputs = _section(InputsSection, it, f"{where}: [inputs]", shapes=shapes, capture=capture)
@@ -241,13 +297,13 @@ def parse_spec(raw: Mapping[str, Any], path: Path) -> TuneSpec:
     _choice("[inputs].values", inputs.values, VALUE_KINDS)
     if inputs.source == "capture" and inputs.capture is None:
         raise SpecError(f"{where}: [inputs].source = 'capture' needs [inputs].capture (a file or directory)")
-    _positive("[inputs].batches", inputs.batches)
     _positive("[inputs].max_length", inputs.max_length)
 
     try:
         tolerance = ToleranceSpec.from_dict(_table(raw, "tolerance", where, required=True))
     except ToleranceError as exc:
         raise SpecError(f"{where}: [tolerance]: {exc}") from exc
+    gate = _gate(_table(raw, "gate", where), where)
 
     ob = _table(raw, "objective", where)
     bs = ob.get("batch_sizes")
@@ -288,7 +344,7 @@ def parse_spec(raw: Mapping[str, Any], path: Path) -> TuneSpec:
         else model.repository.parent / ".tunegate" / "tune" / path.stem
     )
     digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()
-    return TuneSpec(path, model, reference, inputs, tolerance, objective, bench, search, workdir, raw, digest)
+    return TuneSpec(path, model, reference, inputs, tolerance, gate, objective, bench, search, workdir, raw, digest)
 
 
 def load_spec(path: str | Path) -> TuneSpec:

@@ -98,6 +98,7 @@ def write_winner(spec: TuneSpec, builder: Builder, winner: RouteResult, baseline
         spec=spec, route=winner.route, knobs=winner.knobs, artifact=artifact, accuracy=accuracy, latency=latency,
         baseline_version=int(baseline["version"]), rebuild_identical=bool(identical) if identical is not None else False,
         versions=versions_info, build_seconds=float(winner.build_seconds or 0.0), inputs_digest=inputs.digest,
+        gate=winner.accuracy,
     )
     release["search"] = dict(search)  # as run: strategy, budget, and the route expression (--routes may override)
     release["inputs"] = {"gate_batches": [b.label for b in inputs.gate], "bench_shapes": [s.key for s in inputs.bench]}
