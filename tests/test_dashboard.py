@@ -106,7 +106,7 @@ def test_the_contract_check_catches_mistakes() -> None:
     assert contract_violations('tunegate_live_version{role="primary"}') == [
         "tunegate_live_version has no label role"
     ]
-    assert contract_violations('tunegate_decisions_total{outcome=~"pin|rollback"}')
+    assert contract_violations('tunegate_decisions_total{outcome=~"pin|revert"}')
 
 
 def test_covers_what_on_call_reads(dashboard: dict[str, Any]) -> None:

@@ -208,7 +208,7 @@ async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar,
     # The baseline's replays run on the shadow's own instance of version 1, which takes no client traffic.
     async with client.get(f"{triton.http_url}/v2/models/{shadow_name('pairgood')}/versions/1/ready") as r:
         assert r.status == 200
-    seen = await drive(client, sidecar.url, "pairgood", concurrency=8)
+    seen = await drive(client, sidecar.url, "pairgood", concurrency=8, requests=10**7, timeout_s=120)
     assert set(seen["codes"]) == {200}
     [rec] = decisions(sidecar)
     assert rec["outcome"] == "promote", (rec["reasons"], rec["evidence"])
@@ -219,7 +219,7 @@ async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar,
     assert sidecar.metric("tunegate_mirror_dropped_total", model="pairgood", role="candidate", reason="full") == 0
     assert sidecar.metric("tunegate_mirror_sampled_total", model="pairgood", role="candidate") >= ev["compared"]
     assert (await start_canary(client, sidecar, "pairslow", **tight))[0] == 201
-    await drive(client, sidecar.url, "pairslow", concurrency=8)
+    await drive(client, sidecar.url, "pairslow", concurrency=8, requests=10**7, timeout_s=120)
     rec = decisions(sidecar)[-1]
     assert rec["model"] == "pairslow" and rec["outcome"] == "pin" and "slower" in rec["reasons"][0], rec["reasons"]
 
@@ -291,8 +291,10 @@ async def test_failing_candidate_is_pinned_with_no_client_error(sidecar: Sidecar
 async def test_slow_candidate_is_pinned_and_clients_do_not_wait(sidecar: Sidecar,
                                                                 client: aiohttp.ClientSession) -> None:  # fmt: skip
     # Primary pairing: many copies in flight, so the mirror bound (max_in_flight) is what is exercised.
-    assert (await start_canary(client, sidecar, "slow", max_in_flight=4, latency_pairing="primary"))[0] == 201
-    seen = await drive(client, sidecar.url, "slow")
+    # A latency pin needs 200 pairs (13 a second here): the drive runs until the decision, not a request count.
+    assert (await start_canary(client, sidecar, "slow", max_in_flight=4, latency_pairing="primary",
+                               deadline_s=120, warmup_s=2.0))[0] == 201  # fmt: skip
+    seen = await drive(client, sidecar.url, "slow", requests=10**7, timeout_s=150)
     [rec] = decisions(sidecar)
     assert rec["outcome"] == "pin" and "slower" in rec["reasons"][0]
     lat = np.asarray(seen["latencies"])
