@@ -3,7 +3,7 @@
 On the embedded Triton (python backend, CPU) with a busy-loop process running alongside, runs canaries of
 an IDENTICAL candidate (the baseline's code and behaviour, a second version directory) and of a candidate
 10% slower (more CPU work per request), each with `--clients` clients sending unversioned infers through
-a real sidecar process, default canary parameters except a short deadline, once per latency pairing mode.
+a real sidecar process, default canary parameters, once per latency pairing mode.
 Every canary has a model of its own (loaded before, unloaded after), so each starts from the same state:
 a cold candidate beside a warm baseline.
 
@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sidecar.client import SidecarProcess, write_token_file
-from sidecar.config import LATENCY_PAIRINGS
+from sidecar.config import LATENCY_PAIRINGS, CanaryParams
 from tests.sidecar_models import add_model, config, infer_body
 from tunegate.repository import write_config
 from tunegate.triton import EmbeddedTriton, TritonOptions
@@ -131,6 +131,7 @@ async def run_canary(session: aiohttp.ClientSession, sidecar_url: str, model: st
         "samples": ev["compared"],
         "latency_pairs": lat.get("pairs", 0),
         "p50_ratio": lat.get("p50_ratio"),
+        "throughput_ratio": (ev.get("throughput") or {}).get("ratio"),
         "seconds": rec["at"] - rec["started"],
         "client_requests": len(latencies),
         "client_errors": sum(n for c, n in codes.items() if c != 200),
@@ -160,6 +161,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "median_samples": statistics.median(r["samples"] for r in rs),
                 "median_seconds": statistics.median(r["seconds"] for r in rs),
                 "median_p50_ratio": statistics.median([r["p50_ratio"] for r in rs if r["p50_ratio"]] or [float("nan")]),
+                "median_throughput_ratio": statistics.median([r["throughput_ratio"] for r in rs if r["throughput_ratio"]]
+                                                             or [float("nan")]),
                 "client_p50_ms": pct(lat, 0.5) * 1e3,
                 "client_p99_ms": pct(lat, 0.99) * 1e3,
                 "client_errors": sum(r["client_errors"] for r in rs),
@@ -173,14 +176,15 @@ def print_table(summary: dict[str, Any], calibration: dict[str, float]) -> None:
     print(f"direct p50 without load: baseline {c['baseline_p50_ms']:.2f} ms ({c['baseline_work']} iterations of work; "
           f"{c['no_work_p50_ms']:.2f} ms without), slower candidate {c['slower_work']} iterations")  # fmt: skip
     head = ("mode", "candidate", "n", "promoted", "pinned", "inconcl.", "pin rate", "med samples", "med s",
-            "med p50 ratio", "client p50 ms", "client p99 ms")  # fmt: skip
+            "med p50 ratio", "med capacity ratio", "client p50 ms", "client p99 ms")  # fmt: skip
     print(" | ".join(head))
     for mode, per in summary.items():
         for kind, s in per.items():
             label = "false pin" if kind == "identical" else "pin"
             print(" | ".join([mode, kind, str(s["canaries"]), str(s["promoted"]), str(s["pinned"]), str(s["inconclusive"]),
                               f"{label} {s['pin_rate']:.0%}", f"{s['median_samples']:.0f}", f"{s['median_seconds']:.1f}",
-                              f"{s['median_p50_ratio']:.3f}", f"{s['client_p50_ms']:.2f}", f"{s['client_p99_ms']:.2f}"]))  # fmt: skip
+                              f"{s['median_p50_ratio']:.3f}", f"{s['median_throughput_ratio']:.3f}",
+                              f"{s['client_p50_ms']:.2f}", f"{s['client_p99_ms']:.2f}"]))  # fmt: skip
 
 
 async def bench(args: argparse.Namespace, repo: Path, work: Path) -> dict[str, Any]:
@@ -246,7 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="latency pairing modes to run (default: all)")  # fmt: skip
     ap.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
     ap.add_argument("--rate", type=float, default=100.0, help="total client req/s; 0: as fast as answered (default 100)")
-    ap.add_argument("--deadline-s", type=float, default=60.0, help="canary deadline_s (default 60)")
+    ap.add_argument("--deadline-s", type=float, default=CanaryParams().deadline_s,
+                    help=f"canary deadline_s (default {CanaryParams().deadline_s:g}, the sidecar's)")
     ap.add_argument("--work", type=int, default=100_000,
                     help="busy-loop iterations per request in the baseline (default 100000, about 1.5 ms)")  # fmt: skip
     ap.add_argument("--slowdown", type=float, default=1.10,

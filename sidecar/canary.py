@@ -35,6 +35,9 @@ from sidecar.mirror import Comparison, MirrorSlots, Reference, compare_responses
 from sidecar.rollback import apply_retention, finish_pending, pending_rollback
 from sidecar.semantics import SEQUENCE, ModelSemantics, parse_model_config, sequence_request
 from sidecar.state import EvidenceCounter, StateStore
+from sidecar.throughput import ComputeReading, StatsError, capacity, instance_count, parse_statistics
+from sidecar.throughput import evidence as throughput_evidence
+from sidecar.throughput import figures as throughput_figures
 from sidecar.upstream import Headers, UpstreamPool, UpstreamResponse
 from tunegate.tolerance import ToleranceError, ToleranceSpec
 
@@ -75,6 +78,10 @@ class Canary:
     semantics: ModelSemantics | None = None
     memory: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last memory sample's details
     memory_probe: MemoryProbe | None = None
+    # Triton's compute counters per role at the first reading after the warm-up, and each role's instance
+    # count (sidecar.throughput). Not persisted: a restarted sidecar starts a new window.
+    throughput_first: dict[str, ComputeReading] = dataclasses.field(default_factory=dict)
+    instances: dict[str, int] = dataclasses.field(default_factory=dict)
     # The mirror budget (sidecar.budget): the effective sample rate and the client latency windows. Not
     # persisted: a restarted sidecar measures afresh, starting with a pause.
     budget: MirrorBudget = dataclasses.field(init=False)
@@ -95,6 +102,12 @@ class Canary:
     def shadow_versions(self) -> tuple[int, ...]:
         b = self.shadow_baseline()
         return (self.candidate,) if b is None else (self.candidate, b)
+
+    def targets(self) -> dict[str, tuple[str, int]]:
+        """role -> (model, version) Triton serves it as: the candidate in the shadow model; the baseline there too
+        with shadow pairing (it gets the same copies), else the live model's version."""
+        base_model = shadow_name(self.model) if self.shadow_baseline() is not None else self.model
+        return {"candidate": (shadow_name(self.model), self.candidate), "baseline": (base_model, self.baseline)}
 
     @functools.cached_property
     def mirror_paths(self) -> dict[str, bytes]:
@@ -141,6 +154,7 @@ class Canary:
         d["in_flight"] = len(self.slots)
         d["paused"] = self.paused
         d["memory"] = self.memory
+        d["throughput"] = throughput_figures(self.evidence.throughput)
         d["mirror_budget"] = self.budget.status()
         return d
 
@@ -171,6 +185,7 @@ class CanaryManager:
         self.in_flight: collections.Counter[tuple[str, str]] = collections.Counter()
         self._memory_due: dict[str, float] = {}  # canary id -> when its memory is sampled next
         self._memory_series: dict[str, list[tuple[str, str, str]]] = {}  # model -> memory gauge labels set
+        self._throughput_due: dict[str, float] = {}  # canary id -> when Triton's statistics are read next
 
     # -- client path hooks (must stay cheap: they run per request on the event loop) ----------
     def live_version(self, model: str) -> int | None:
@@ -310,8 +325,7 @@ class CanaryManager:
             return
         self._memory_due[canary.id] = now + SAMPLE_INTERVAL_S
         if canary.memory_probe is None:
-            base_model = shadow_name(canary.model) if canary.shadow_baseline() is not None else canary.model
-            targets = {"candidate": (shadow_name(canary.model), canary.candidate), "baseline": (base_model, canary.baseline)}
+            targets = canary.targets()
             backend = canary.semantics.backend if canary.semantics is not None else ""
             canary.memory_probe = MemoryProbe(self.config.repository, self.config.upstream, targets, backend)
         try:
@@ -335,6 +349,42 @@ class CanaryManager:
                     series.append(labels)
         self._dirty = True
 
+    async def _sample_throughput(self, canary: Canary) -> None:
+        """From the judge tick, at most every SAMPLE_INTERVAL_S once the warm-up is over: Triton's compute counters
+        of each version (sidecar.throughput); the window since the first such reading goes into the evidence."""
+        p, now = canary.params, time.monotonic()
+        if now < self._throughput_due.get(canary.id, 0.0):
+            return
+        self._throughput_due[canary.id] = now + SAMPLE_INTERVAL_S
+        if time.time() < canary.started + p.warmup_s or canary.evidence.compared < p.warmup_samples:
+            return
+        readings: dict[str, ComputeReading] = {}
+        try:
+            for role, (name, version) in canary.targets().items():
+                raw = await self.control.get_json(f"/v2/models/{name}/versions/{version}/stats")
+                readings[role] = parse_statistics(raw, name, version)
+                if role not in canary.instances:
+                    canary.instances[role] = instance_count(await self.control.get_json(f"/v2/models/{name}/config"))
+        except (ControlError, StatsError) as exc:  # measuring must never stop judging
+            LOG.warning("reading Triton's statistics for %s's versions failed: %s", canary.model, exc)
+            return
+        if self.canaries.get(canary.model) is not canary:
+            return
+        if not canary.throughput_first:
+            canary.throughput_first = readings
+            return
+        windows = {role: r.since(canary.throughput_first[role]) for role, r in readings.items()}
+        canary.evidence.throughput = throughput_evidence(windows, canary.instances)
+        series = self._memory_series.setdefault(canary.model, [])  # removed with the memory gauges at the end
+        for role, w in windows.items():
+            cap = capacity(w, canary.instances.get(role, 1))
+            labels = (canary.model, str(canary.targets()[role][1]), role)
+            if cap is not None:
+                self.metrics.model_capacity.labels(*labels).set(cap)
+                if labels not in series:
+                    series.append(labels)
+        self._dirty = True
+
     def _budget_tick(self, canary: Canary) -> None:
         """The mirror budget's schedule and controller (sidecar.budget), and its gauges."""
         b = canary.budget
@@ -346,12 +396,14 @@ class CanaryManager:
     def _clear_memory_series(self) -> None:
         """Memory gauges of canaries that ended leave the exposition (a stale figure would read as current)."""
         live_ids = {c.id for c in self.canaries.values()}
-        for cid in [c for c in self._memory_due if c not in live_ids]:
-            del self._memory_due[cid]
+        for due in (self._memory_due, self._throughput_due):
+            for cid in [c for c in due if c not in live_ids]:
+                del due[cid]
         for model in [m for m in self._memory_series if m not in self.canaries]:
             for labels in self._memory_series.pop(model):
-                with contextlib.suppress(KeyError):
-                    self.metrics.model_memory.remove(*labels)
+                for gauge in (self.metrics.model_memory, self.metrics.model_capacity):
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(*labels)
 
     def _count(self, canary: Canary, cmp: Comparison, role: str) -> None:
         for out, ok in cmp.outputs.items():
@@ -461,6 +513,7 @@ class CanaryManager:
                 continue
             self._budget_tick(canary)
             await self._sample_memory(canary)
+            await self._sample_throughput(canary)
             snap = canary.evidence.snapshot()
             call = functools.partial(judge, snap, canary.params.judge_params(), now=time.time(), deadline=canary.deadline)
             j = await loop.run_in_executor(None, call)

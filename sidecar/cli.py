@@ -143,7 +143,8 @@ def cmd_canary(args: argparse.Namespace) -> int:
 
 
 def _print_status(result: dict[str, Any]) -> None:
-    t = Table("model", "state", "live", "candidate", "compared", "out of tol.", "errors", "memory MiB c/b", "skipped",
+    t = Table("model", "state", "live", "candidate", "compared", "out of tol.", "errors", "memory MiB c/b",
+              "capacity c/b", "skipped",
               "mirror rate (client p50)", "judge says")  # fmt: skip
     for model, st in result["models"].items():
         c = st.get("canary") or {}
@@ -154,6 +155,7 @@ def _print_status(result: dict[str, Any]) -> None:
             says = f"{st['last']['outcome']}: " + "; ".join(st["last"]["reasons"])
         t.add_row(model, st["state"], str(st.get("live")), str(c.get("candidate", "")), str(ev.get("compared", "")),
                   str(ev.get("out_of_tolerance", "")), str(ev.get("errors", "")), _memory_cell(c),
+                  _capacity_cell(c),
                   ", ".join(f"{k} {v}" for k, v in sorted((ev.get("skipped") or {}).items()) if v), _budget_cell(c),
                   says)  # fmt: skip
     out.print(t)
@@ -172,6 +174,15 @@ def _budget_cell(canary: dict[str, Any]) -> str:
     limit = f"{100 * b['max_client_slowdown']:g}%"
     return f"{cell} ({ms} ms, " + ("?" if added is None else f"{100 * added:+.1f}%") + f" of {limit}" + (
         ", paused)" if b.get("phase") == "paused" else ")")
+
+
+def _capacity_cell(canary: dict[str, Any]) -> str:
+    """Inferences per second the candidate's and the baseline's instances sustain ("410/400, 1.03"), from Triton."""
+    t = canary.get("throughput") or {}
+    c, b = t.get("candidate_capacity_rps"), t.get("baseline_capacity_rps")
+    if c is None or b is None:
+        return ""
+    return f"{c:.0f}/{b:.0f}, {t['ratio']:.2f}"
 
 
 def _memory_cell(canary: dict[str, Any]) -> str:

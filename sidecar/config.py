@@ -66,6 +66,9 @@ class CanaryParams:
     # Pin when the candidate's instances take more than this times the baseline's memory (both measured on
     # Triton's host: resident memory of the python backend's processes, or their GPU memory; sidecar.memory).
     max_memory_ratio: float = 1.5
+    # Pin when the candidate's instances sustain less than this times the baseline's inferences per second on
+    # the same mirrored mix (Triton's compute time per inference after the warm-up; sidecar.throughput).
+    min_throughput_ratio: float = 0.8
     # The mirror budget (sidecar.budget): client p50 of the live version may rise by at most this fraction
     # because of mirroring; above it the effective sample rate halves, below it grows slowly back to
     # `sample_rate`. Measured against short pauses of the mirror (`budget_pause_s` every `budget_period_s`).
@@ -79,6 +82,7 @@ class CanaryParams:
         _fraction("aa_rate", self.aa_rate)
         _fraction("oot_budget", self.oot_budget)
         _fraction("error_budget", self.error_budget)
+        _fraction("min_throughput_ratio", self.min_throughput_ratio)
         for name in ("timeout_s", "deadline_s", "required_speedup", "max_memory_ratio"):
             _positive(name, getattr(self, name))
         w = self.warmup_s
@@ -121,6 +125,7 @@ class CanaryParams:
             min_class_samples=self.min_class_samples,
             recent_window=self.recent_window,
             max_memory_ratio=self.max_memory_ratio,
+            min_throughput_ratio=self.min_throughput_ratio,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,7 +139,7 @@ class CanaryParams:
             raise ConfigError(f"unknown canary parameters {unknown}; known: {sorted(known)}")
         values = {**(base or cls()).to_dict(), **raw}
         for k in ("timeout_s", "deadline_s", "required_speedup", "latency_slack", "confidence", "warmup_s", "min_duration_s",
-                  "sample_rate", "aa_rate", "oot_budget", "error_budget", "max_memory_ratio", "max_client_slowdown",
+                  "sample_rate", "aa_rate", "oot_budget", "error_budget", "max_memory_ratio", "min_throughput_ratio", "max_client_slowdown",
                   "budget_period_s", "budget_pause_s"):  # fmt: skip
             if isinstance(values[k], int) and not isinstance(values[k], bool):
                 values[k] = float(values[k])

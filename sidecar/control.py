@@ -151,6 +151,19 @@ class TritonControl:
         path = f"/v2/models/{name}" + (f"/versions/{version}" if version is not None else "") + "/ready"
         return await self._get_ok(path, timeout_s)
 
+    async def get_json(self, path: str, timeout_s: float = 5.0) -> Any:
+        """A GET of Triton's API answered 200 with JSON; ControlError otherwise (unreachable, refused, not JSON)."""
+        try:
+            async with self.session.get(f"{self.base}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise ControlError(f"GET {path}: Triton answered {resp.status}: {_error_text(text)}")
+                return json.loads(text)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise ControlError(f"GET {path}: Triton unreachable: {exc!r}") from exc
+        except ValueError as exc:
+            raise ControlError(f"GET {path}: not JSON: {exc}") from exc
+
     async def server_ready(self, timeout_s: float = 2.0) -> bool:
         """Triton's `/v2/health/ready`: reachable, and (strict readiness, the default) every model it tracks ready."""
         return await self._get_ok("/v2/health/ready", timeout_s)

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from sidecar.throughput import figures as throughput_figures
 from tunegate.stats import difference_lower, difference_upper, rate_lower, rate_upper
 
 
@@ -83,6 +84,7 @@ class JudgeParams:
     min_class_samples: int = 10  # comparisons each expected request class needs before a promotion
     recent_window: int = 400  # pairs (and comparisons) in the recent-window checks
     max_memory_ratio: float = 1.5  # largest candidate/baseline memory ratio (both measured) before a pin
+    min_throughput_ratio: float = 0.8  # smallest candidate/baseline capacity ratio (both measured) before a pin
 
     @property
     def max_ratio(self) -> float:
@@ -126,6 +128,8 @@ class Evidence:
     expected_classes: Mapping[str, float] = dataclasses.field(default_factory=dict)  # class -> traffic share
     started: float | None = None  # when evidence began (None: duration not checked)
     memory: Mapping[str, float] = dataclasses.field(default_factory=dict)  # role -> peak bytes seen
+    # role -> [inferences, executions, compute_ns, instances] since the warm-up, from Triton (sidecar.throughput)
+    throughput: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,9 +402,28 @@ class _Look:
         far = ratio[(ratio > self.limit * TAIL_FACTOR) | (ratio < self.limit / TAIL_FACTOR)] > self.limit
         if up >= MIN_FAIL_FAST_EVENTS and lo > 0.5 and ratio.size >= MIN_PIN_PAIRS and self._persists_tail(far):
             self.pin.append(f"candidate is slower in the tail: {up} pairs above {self.limit * TAIL_FACTOR:.2f}x "
-                            f"against {down} below {self.limit / TAIL_FACTOR:.2f}x (p95 ratio {point:.3f})")  # fmt: skip
+                            f"against {down} below {self.limit / TAIL_FACTOR:.2f}x (p95 ratio {point:.3f})"
+                            + self._tail_class(ratio))  # fmt: skip
             return
         self._tail_arrays = (prim[-recent:], cand[-recent:])
+
+    def _tail_class(self, ratio: npt.NDArray[np.float64]) -> str:
+        """Names the request class that holds most of the excess of far-above pairs, where one does: a slow shape."""
+        n = ratio.size
+        labels = np.asarray(list(self.ev.pair_class[-n:])) if len(self.ev.pair_class) >= n else None
+        if labels is None:
+            return ""
+        up = ratio > self.limit * TAIL_FACTOR
+        down = ratio < self.limit / TAIL_FACTOR
+        excess = {str(c): int(up[labels == c].sum()) - int(down[labels == c].sum()) for c in set(labels.tolist()) if c}
+        total = int(up.sum()) - int(down.sum())
+        if not excess or total <= 0:
+            return ""
+        cls, most = max(excess.items(), key=lambda kv: kv[1])
+        share = float((labels == cls).mean())  # a class holds its share of any excess by chance: name it well above
+        if most / total <= share + (1.0 - share) / 2:
+            return ""
+        return f"; most of the excess in request class {cls} ({most} of {total})"
 
     def _recent(self, ratio: npt.NDArray[np.float64], n: int) -> None:
         w = self.params.recent_window
@@ -449,6 +472,19 @@ class _Look:
             self.pin.append(f"candidate takes more memory: {cand / 2**20:.1f} MiB against the baseline's "
                             f"{base / 2**20:.1f} MiB (ratio {ratio:.2f} > allowed {limit:.2f})")  # fmt: skip
 
+    def throughput(self) -> None:
+        """Pin a candidate whose instances sustain less than `min_throughput_ratio` times the baseline's rate on the
+        same mirrored mix (Triton's compute time per inference; sidecar.throughput), once both ran enough."""
+        fig = throughput_figures(self.ev.throughput)
+        limit = self.params.min_throughput_ratio
+        fig["min_ratio"] = limit
+        self.stats["throughput"] = fig
+        ratio = fig["ratio"]
+        if ratio is not None and ratio < limit:
+            self.pin.append(f"candidate sustains less throughput: {fig['candidate_capacity_rps']:.1f} inferences/s "
+                            f"against the baseline's {fig['baseline_capacity_rps']:.1f} (ratio {ratio:.2f} < allowed "
+                            f"{limit:.2f}; Triton's compute time over {fig['candidate_inferences']} inferences)")  # fmt: skip
+
     def coverage(self) -> None:
         ev, p = self.ev, self.params
         if ev.compared < p.min_samples:
@@ -465,6 +501,7 @@ def judge(ev: Evidence, params: JudgeParams, *, now: float, deadline: float) -> 
     look.latency()
     look.recent_outputs()
     look.memory()
+    look.throughput()
     look.coverage()
     if look.pin:
         return Judgement(PIN, tuple(look.pin), look.stats)

@@ -209,6 +209,12 @@ class SidecarMetrics:
             "Memory of a canary's candidate and baseline instances on Triton's host (resident, or GPU where one serves).",
             ["model", "version", "role"], registry=registry,
         )  # fmt: skip
+        self.model_capacity = Gauge(
+            "tunegate_model_capacity_inferences_per_second",
+            "Inferences per second a canary's candidate and baseline instances sustain when busy, from Triton's "
+            "compute time on the mirrored mix since the warm-up (sidecar.throughput).",
+            ["model", "version", "role"], registry=registry,
+        )  # fmt: skip
         self.decisions = Counter(
             "tunegate_decisions", "Canary decisions by outcome.", ["model", "outcome"], registry=registry
         )

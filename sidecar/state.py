@@ -65,6 +65,7 @@ class EvidenceCounter:
     started: float | None = None
     exemplars: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     memory: dict[str, float] = dataclasses.field(default_factory=dict)  # role -> peak bytes seen (sidecar.memory)
+    throughput: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # sidecar.throughput, since warm-up
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> sampled requests not mirrored
 
     def add_pair(self, primary_s: float, candidate_s: float, request_class: str = "") -> None:

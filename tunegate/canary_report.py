@@ -152,6 +152,36 @@ def gate_vs_canary(summary: Mapping[str, Any]) -> str:
             f"<table><tr><td></td><td><b>gate (tuner)</b></td><td><b>canary (live)</b></td></tr>{body}</table>")
 
 
+def _num(v: Any, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "—"
+
+
+def candidate_vs_baseline(summary: Mapping[str, Any]) -> str:
+    """The canary's evidence per measure, candidate beside baseline: latency, throughput, memory, errors, and the
+    latency of each request class (the long-tail shapes an average hides)."""
+    ev = summary.get("evidence") or {}
+    lat, thr, mem = ev.get("latency") or {}, ev.get("throughput") or {}, ev.get("memory") or {}
+    mib = 1 << 20
+    rows = [
+        ("latency p50 (ms, paired)", _num(lat.get("candidate_p50_ms"), ".3f"), _num(lat.get("primary_p50_ms"), ".3f"),
+         _num(lat.get("p50_ratio"), ".3f")),
+        ("latency p95 (ms, paired)", _num(lat.get("candidate_p95_ms"), ".3f"), _num(lat.get("primary_p95_ms"), ".3f"),
+         _num(lat.get("p95_ratio"), ".3f")),
+        ("capacity (inferences/s, Triton compute time)", _num(thr.get("candidate_capacity_rps"), ".1f"),
+         _num(thr.get("baseline_capacity_rps"), ".1f"), _num(thr.get("ratio"), ".3f")),
+        ("memory (MiB)", _num((mem.get("candidate_bytes") or 0) / mib or None, ".1f"),
+         _num((mem.get("baseline_bytes") or 0) / mib or None, ".1f"), _num(mem.get("ratio"), ".3f")),
+        ("error rate", _pct(ev.get("error_rate")), _pct(ev.get("baseline_error_rate")), ""),
+    ]
+    for cls, c in sorted((ev.get("classes") or {}).items()):
+        if isinstance(c, Mapping) and "p50_ratio" in c:
+            rows.append((f"class {cls}: p50 ratio over {c.get('pairs')} pairs", "", "", _num(c["p50_ratio"], ".3f")))
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in r) + "</tr>" for r in rows)
+    return ("<h2>Candidate against baseline</h2>"
+            "<table><tr><td></td><td><b>candidate</b></td><td><b>baseline</b></td><td><b>ratio</b></td></tr>"
+            f"{body}</table>")  # fmt: skip
+
+
 def write_canary_report(path: Path, summary: Mapping[str, Any], metrics_text: str) -> Path:
     figs = _figures(summary, metrics_text)
     reasons = "".join(f"<li>{html.escape(str(r))}</li>" for r in summary.get("reasons", []))
@@ -171,6 +201,7 @@ def write_canary_report(path: Path, summary: Mapping[str, Any], metrics_text: st
 live version now {html.escape(str(summary.get('live_version')))}, decided by {html.escape(str(summary.get('decided_by')))}</p>
 <ul>{reasons}</ul>
 {gate_vs_canary(summary)}
+{candidate_vs_baseline(summary)}
 {imgs}
 <h2>Evidence</h2><table>{ev_rows}</table>
 <p>decision records: <code>{html.escape(str(summary.get('records')))}</code></p>

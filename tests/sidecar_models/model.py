@@ -2,6 +2,7 @@
 
 behaviour.json beside this file: {"noise": 0.0, "scale": 2.0, "delay_ms": 0, "work": 0, "fail": false,
 "nan": false, "load_s": 0, "unload_s": 0} (the last two: seconds that initialize() and finalize() take, as a big engine's would).
+"work_rows": {"16": 300000} sets the work for requests of that many rows (a shape slower than the others).
 "alloc_mb": 0 makes an instance hold that many MiB from load on. A version without behaviour.json fails to load
 (used to make a promotion fail).
 """
@@ -23,6 +24,7 @@ class TritonPythonModel:
         self.noise = float(b.get("noise", 0.0))
         self.delay_s = float(b.get("delay_ms", 0)) / 1000.0
         self.work = int(b.get("work", 0))  # CPU work per request: iterations of a busy loop (delay_ms only sleeps)
+        self.work_rows = {int(k): int(v) for k, v in b.get("work_rows", {}).items()}
         self.fail = bool(b.get("fail", False))
         self.nan = bool(b.get("nan", False))
         self.rng = np.random.default_rng(0)
@@ -39,12 +41,12 @@ class TritonPythonModel:
         for request in requests:
             if self.delay_s:
                 time.sleep(self.delay_s)
-            for _ in range(self.work):
+            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            for _ in range(self.work_rows.get(x.shape[0], self.work)):
                 pass
             if self.fail:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("candidate is broken")))
                 continue
-            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
             y = (x * self.scale).astype(np.float32)
             if self.noise:
                 y = y + self.rng.uniform(-self.noise, self.noise, y.shape).astype(np.float32)
