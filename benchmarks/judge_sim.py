@@ -31,9 +31,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from sidecar.config import CanaryParams
 from sidecar.judge import BLOCK, INCONCLUSIVE, PIN, PROMOTE, Evidence, JudgeParams, judge
 
 CLASSES = (("b1", 0.55, 1.0), ("b2", 0.2, 1.5), ("b4", 0.13, 2.3), ("b8", 0.08, 3.6), ("b16", 0.04, 5.8))
+DEFAULTS = CanaryParams()
 WARMUP = 20  # first candidate answers: compared, latency not paired (the canary's warmup_samples)
 MAX_PAIRS = 4000  # what sidecar.state holds
 
@@ -60,7 +62,12 @@ class Scenario:
     late_from: int = 0
     class_ratio: tuple[str, float] | None = None  # one class slower by this ratio
     rate: float = 20.0  # mirrored requests per second (the judge looks once a second)
-    deadline: int = 6000  # samples: 300 s at 20 req/s, the default deadline_s
+    deadline_s: float = DEFAULTS.deadline_s  # the canary's default deadline
+
+    @property
+    def deadline(self) -> int:
+        """Samples up to the deadline."""
+        return int(self.rate * self.deadline_s)
 
 
 SCENARIOS = (
@@ -149,35 +156,50 @@ def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
     return Stream(cls, primary, candidate, oot, aa_oot, err, aa_err)
 
 
+class Prefix:
+    """Running counts of a stream, so that the evidence at any look costs O(classes + held pairs), not O(samples)."""
+
+    def __init__(self, st: Stream, aa_every: int) -> None:
+        self.st, self.aa_every = st, aa_every
+        ok = ~st.err
+        oot_ok = st.oot & ok
+        self.c_ok, self.c_oot, self.c_err = (np.cumsum(a, dtype=np.int64) for a in (ok, oot_ok, st.err))
+        self.okpos = np.flatnonzero(ok)
+        seq = st.oot[self.okpos]
+        nb = seq.size // BLOCK
+        self.blocks = seq[: nb * BLOCK].reshape(nb, BLOCK).sum(axis=1).astype(int).tolist()
+        aa_idx = np.arange(0, st.err.size, aa_every)
+        err, aa_err, oot, aa_oot = st.err[aa_idx], st.aa_err[aa_idx], st.oot[aa_idx], st.aa_oot[aa_idx]
+        aa_ok = ~aa_err
+        both = ~err & aa_ok  # compared on both sides
+        self.aa = {name: np.cumsum(a, dtype=np.int64) for name, a in {
+            "aa_compared": aa_ok, "aa_out_of_tolerance": aa_oot & aa_ok, "aa_errors": aa_err,
+            "cand_only_errors": err & ~aa_err, "aa_only_errors": ~err & aa_err, "paired_compared": both,
+            "cand_only_oot": oot & ~aa_oot & both, "aa_only_oot": ~oot & aa_oot & both}.items()}  # fmt: skip
+        self.classes = {str(c): (np.cumsum((st.cls == c) & ok, dtype=np.int64),
+                                 np.cumsum((st.cls == c) & oot_ok, dtype=np.int64))
+                        for c in np.unique(st.cls)}  # fmt: skip
+
+    def evidence(self, i: int, expected: dict[str, float]) -> Evidence:
+        st = self.st
+        compared = int(self.c_ok[i - 1])
+        m = -(-i // self.aa_every)  # replays among the first i samples
+        aa = {name: int(c[m - 1]) if m else 0 for name, c in self.aa.items()}
+        pairs_total = max(0, compared - WARMUP)
+        held = self.okpos[WARMUP + max(0, pairs_total - MAX_PAIRS): WARMUP + pairs_total]
+        classes = {c: [int(n[i - 1]), int(k[i - 1])] for c, (n, k) in self.classes.items() if n[i - 1] > 0}
+        return Evidence(
+            compared=compared, out_of_tolerance=int(self.c_oot[i - 1]), sent=i, errors=int(self.c_err[i - 1]),
+            timeouts=0, aa_sent=m, paired_sent=m, **aa,
+            primary_s=st.primary[held], candidate_s=st.candidate[held], pair_class=st.cls[held],
+            pairs_total=pairs_total, blocks=self.blocks[: compared // BLOCK], classes=classes,
+            expected_classes=expected, started=0.0,
+        )  # fmt: skip
+
+
 def evidence_at(st: Stream, i: int, sc: Scenario, aa_every: int, expected: dict[str, float]) -> Evidence:
-    ok = ~st.err[:i]
-    compared = int(ok.sum())
-    oot_c = st.oot[:i][ok]
-    nblocks = compared // BLOCK
-    blocks = oot_c[: nblocks * BLOCK].reshape(nblocks, BLOCK).sum(axis=1) if nblocks else np.zeros(0)
-    aa_idx = np.arange(0, i, aa_every)
-    aa_ok = ~st.aa_err[aa_idx]
-    both = aa_idx[~st.err[aa_idx] & aa_ok]  # compared on both sides
-    pair_idx = np.flatnonzero(ok)[WARMUP:]
-    held = pair_idx[-MAX_PAIRS:]
-    cls_ok = st.cls[:i][ok]
-    classes: dict[str, list[int]] = {}
-    for c in np.unique(cls_ok):
-        m = cls_ok == c
-        classes[str(c)] = [int(m.sum()), int(oot_c[m].sum())]
-    return Evidence(
-        compared=compared, out_of_tolerance=int(oot_c.sum()),
-        aa_compared=int(aa_ok.sum()), aa_out_of_tolerance=int(st.aa_oot[aa_idx][aa_ok].sum()),
-        sent=i, errors=int(st.err[:i].sum()), timeouts=0,
-        aa_sent=aa_idx.size, aa_errors=int(st.aa_err[aa_idx].sum()),
-        paired_sent=aa_idx.size, cand_only_errors=int((st.err[aa_idx] & ~st.aa_err[aa_idx]).sum()),
-        aa_only_errors=int((~st.err[aa_idx] & st.aa_err[aa_idx]).sum()), paired_compared=both.size,
-        cand_only_oot=int((st.oot[both] & ~st.aa_oot[both]).sum()),
-        aa_only_oot=int((~st.oot[both] & st.aa_oot[both]).sum()),
-        primary_s=st.primary[held], candidate_s=st.candidate[held], pair_class=st.cls[held],
-        pairs_total=pair_idx.size, blocks=blocks.astype(int).tolist(), classes=classes,
-        expected_classes=expected, started=0.0,
-    )  # fmt: skip
+    """The evidence after the first i samples (one-off; run_one keeps a Prefix)."""
+    return Prefix(st, aa_every).evidence(i, expected)
 
 
 def run_one(sc: Scenario, seed: int, params: JudgeParams, aa_every: int) -> tuple[str, int, str]:
@@ -188,9 +210,10 @@ def run_one(sc: Scenario, seed: int, params: JudgeParams, aa_every: int) -> tupl
     if sc.run_length > 1:
         expected["rare"] = sc.oot_rate  # the bad class is in the traffic the gate saw
     deadline_t = sc.deadline / sc.rate
+    prefix = Prefix(st, aa_every)
     for i in range(look, sc.deadline + 1, look):
         now = i / sc.rate
-        j = judge(evidence_at(st, i, sc, aa_every, expected), params, now=now, deadline=deadline_t)
+        j = judge(prefix.evidence(i, expected), params, now=now, deadline=deadline_t)
         if j.final:
             return str(j.outcome), i, j.reasons[0]
     return str(INCONCLUSIVE), sc.deadline, "deadline"
@@ -252,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (seeds are independent)")
     args = ap.parse_args(argv)
-    params = JudgeParams()
+    params = DEFAULTS.judge_params()
     chosen = [s for s in SCENARIOS if not args.only or s.name in args.only]
     if not chosen:
         ap.error(f"no scenario named {args.only}; known: {', '.join(s.name for s in SCENARIOS)}")

@@ -42,7 +42,7 @@ class CanaryParams:
     max_in_flight: int = 8  # mirror requests in flight; beyond this, drop and count
     timeout_s: float = 5.0  # a mirror request slower than this counts as a candidate timeout
     min_samples: int = 300
-    deadline_s: float = 300.0
+    deadline_s: float = 600.0  # a baseline that disagrees with itself needs thousands of samples (benchmarks/judge_sim.py)
     required_speedup: float = 1.0  # candidate must be this much faster (1.2 = 20% faster)
     latency_slack: float = 0.05  # ... give or take this fraction
     oot_budget: float = 0.005  # out-of-tolerance rate allowed above the A/A noise floor

@@ -24,8 +24,8 @@ is pinned at most that often in all), first hit wins:
 Promotion needs `min_samples` comparisons over at least `min_duration_s`, every expected request class
 covered, and the upper bounds within their limits: out-of-tolerance and error rates (differences with
 the A/A rates, both uncertainties counted) and the p50 sign test below one half; it waits while a request
-class's or the recent window's p50, or (a bootstrap, checked last) the p95 ratio, is shown beyond the limit
-at 90% (HOLD_CONFIDENCE: sized to the measured noise rather than to a point estimate). Past the deadline without an answer: INCONCLUSIVE (the
+class's or the recent window's p50, the tail's sign test, or (a bootstrap, checked last) the p95 ratio, is
+shown beyond the limit at 90% (HOLD_CONFIDENCE: sized to the measured noise rather than to a point estimate). Past the deadline without an answer: INCONCLUSIVE (the
 baseline stays).
 """
 
@@ -405,6 +405,9 @@ class _Look:
                             f"against {down} below {self.limit / TAIL_FACTOR:.2f}x (p95 ratio {point:.3f})"
                             + self._tail_class(ratio))  # fmt: skip
             return
+        if up > down and up >= MIN_FAIL_FAST_EVENTS and rate_lower(up, up + down, HOLD_CONFIDENCE) > 0.5:
+            self.missing.append(f"tail: {up} pairs above {self.limit * TAIL_FACTOR:.2f}x against {down} below "
+                                f"{self.limit / TAIL_FACTOR:.2f}x (p95 ratio {point:.3f})")  # fmt: skip
         self._tail_arrays = (prim[-recent:], cand[-recent:])
 
     def _tail_class(self, ratio: npt.NDArray[np.float64]) -> str:
