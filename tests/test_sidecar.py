@@ -95,7 +95,7 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def drive(client: aiohttp.ClientSession, url: str, model: str, *, until_decided: bool = True,
-                requests: int = 50000, concurrency: int = 4, timeout_s: float = 90, rows: int = 2) -> dict[str, Any]:  # fmt: skip
+                requests: int = 10**7, concurrency: int = 4, timeout_s: float = 90, rows: int = 2) -> dict[str, Any]:  # fmt: skip
     """Send infer requests until the canary decides (or `requests` are sent); record what the client saw."""
     rng = np.random.default_rng(0)
     codes: list[int] = []
