@@ -313,14 +313,17 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
 
 
 def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, concurrency: int, work: Path,
-           out: Path, min_samples: int = 200, deadline_s: float = 120.0, pairing: str = "primary") -> dict[str, Any]:
-    """The sidecar canary under load: Triton serves version 1, the sidecar mirrors to 2 and decides.
+           out: Path, pairing: str = "shadow", before_s: float = 15.0) -> dict[str, Any]:
+    """The sidecar canary under load, default canary parameters: Triton serves version 1, the sidecar mirrors to
+    2 and decides. The same load runs `before_s` through the sidecar without a canary first: the clients'
+    latency with the baseline alone, against which the canary's cost to clients is read.
 
     Needs tritonclient's utils (tunegate.codec imports them); the device image has no tritonclient.
     """
     import secrets
 
     from sidecar.client import AdminClient, SidecarProcess, write_token_file
+    from sidecar.config import CanaryParams
     from tunegate.repository import set_version_policy
     from tunegate.triton import EmbeddedTriton, TritonOptions
 
@@ -339,8 +342,7 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
             SidecarProcess(upstream=server.http_url, state_dir=work / "sidecar", repository=repo,
                            token_file=token_file, log_path=out / f"{name}-sidecar.log") as sidecar:
         admin = AdminClient(sidecar.url, token)
-        admin.start(name, 2, tolerance=tolerance.to_dict(), min_samples=min_samples, deadline_s=deadline_s,
-                    sample_rate=1.0, latency_pairing=pairing)
+        deadline_s = CanaryParams().deadline_s  # the sidecar's default, which this canary runs with
 
         def load() -> None:
             c = Client(sidecar.port)
@@ -365,6 +367,12 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
         for t in threads:
             t.start()
         try:
+            time.sleep(before_s)
+            with lock:
+                alone = list(client_times)
+                client_times.clear()
+            t0, t0_wall = time.perf_counter(), time.time()
+            admin.start(name, 2, tolerance=tolerance.to_dict(), latency_pairing=pairing)
             status = admin.wait_decision(name, timeout_s=deadline_s + 60)
         finally:
             stop.set()
@@ -375,6 +383,7 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
         "through": "tunegate sidecar (KServe v2 proxy) in front of the embedded Triton",
         "shape": shape.key, "concurrency": concurrency, "wall_s": time.perf_counter() - t0,
         "client_latency": stats(client_times, bootstrap=1000, rows=shape.batch) if client_times else None,
+        "client_latency_baseline_alone": stats(alone[len(alone) // 5:], bootstrap=1000, rows=shape.batch) if alone else None,
         "client_errors": len(errors), "first_errors": errors[:3], "load_started_at": t0_wall, "latency_pairing": pairing,
         "state": status.get("state"), "status": status, "decisions": decisions,
     }
@@ -383,7 +392,7 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
 def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, repeats: int, requests: int,
               device: str = "cuda", routes: list[str] | None = None, min_speedup: float = 1.05,
               autotune_parallel: bool = False, do_canary: bool = False, do_serve: bool = True,
-              pairing: str = "primary") -> dict[str, Any]:
+              pairing: str = "shadow") -> dict[str, Any]:
     t_model = time.monotonic()
     builder = InductorBuilder()
     model_work = work / name
@@ -472,6 +481,18 @@ def table(results: list[dict[str, Any]]) -> str:
             lat = can["client_latency"] or {}
             lines.append(f"sidecar canary ({can.get('latency_pairing', 'primary')} latency pairing): {can['state']} after {can['wall_s']:.0f}s, client p50 {lat.get('p50_ms', 0):.3f} "
                          f"p95 {lat.get('p95_ms', 0):.3f} ms (n={lat.get('n', 0)}), {can['client_errors']} client errors")
+            alone = can.get("client_latency_baseline_alone") or {}
+            if alone:
+                lines.append(f"  client p50 {alone.get('p50_ms', 0):.3f} p95 {alone.get('p95_ms', 0):.3f} ms through the sidecar "
+                             "before the canary (baseline alone)")
+            for rec in can.get("decisions") or []:
+                ev = rec.get("evidence") or {}
+                thr, mem, lat = ev.get("throughput") or {}, ev.get("memory") or {}, ev.get("latency") or {}
+                lines.append(f"  decision {rec.get('outcome')}: {'; '.join(rec.get('reasons', []))}")
+                lines.append(f"  evidence: {ev.get('compared')} compared, p50 ratio {lat.get('p50_ratio')}, p95 ratio "
+                             f"{lat.get('p95_ratio')}, capacity c/b {thr.get('candidate_capacity_rps')}/"
+                             f"{thr.get('baseline_capacity_rps')} (ratio {thr.get('ratio')}), memory c/b "
+                             f"{mem.get('candidate_bytes')}/{mem.get('baseline_bytes')} (ratio {mem.get('ratio')})")
             decided = ((can.get("status") or {}).get("last") or {}).get("at")
             if decided and can.get("load_started_at"):
                 lines.append(f"  decided at t+{decided - can['load_started_at']:.2f}s of the load")
@@ -493,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-autotune", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--canary", action="store_true", help="after serving: the sidecar canary of version 2 under load")
-    ap.add_argument("--canary-pairing", default="primary", choices=("primary", "shadow"),
+    ap.add_argument("--canary-pairing", default="shadow", choices=("primary", "shadow"),
                     help="the canary's latency_pairing (shadow: the candidate's copy paired with a baseline replay)")
     ap.add_argument("--no-serve", action="store_true", help="skip the paired Triton measurement (versions are still written)")
     ap.add_argument("--autotune-parallel", action="store_true",
