@@ -120,7 +120,17 @@ async def metrics_handler(request: web.Request) -> web.StreamResponse:
 
 
 async def healthz(request: web.Request) -> web.StreamResponse:
+    """Liveness: the sidecar's event loop answers (a Kubernetes liveness probe restarts it otherwise)."""
     return web.json_response({"ok": True})
+
+
+async def readyz(request: web.Request) -> web.StreamResponse:
+    """Readiness: state loaded (the application only serves once `resume` ran) and Triton ready; 503 otherwise, so
+    a Kubernetes readiness probe takes the pod out of the Service while Triton is down."""
+    why = await request.app[MANAGER].not_ready()
+    if why:
+        return web.json_response({"ready": False, "reason": why}, status=503)
+    return web.json_response({"ready": True})
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:
@@ -192,6 +202,7 @@ def build_app(config: SidecarConfig, registry: CollectorRegistry | None = None) 
     app.router.add_get("/canary/{model}/decisions", decisions)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     return app
 
 
@@ -232,6 +243,7 @@ async def start(config: SidecarConfig, registry: CollectorRegistry | None = None
         front = Front(app, admin)
         server = await asyncio.get_running_loop().create_server(
             front.protocol(), config.listen_host, config.listen_port, backlog=1024, reuse_address=True)  # fmt: skip
+        front.start_sweeping()
     except BaseException:
         await runner.cleanup()
         shutil.rmtree(sockdir, ignore_errors=True)

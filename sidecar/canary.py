@@ -200,6 +200,23 @@ class CanaryManager:
             await asyncio.sleep(0.01)
         return self.in_flight[key]
 
+    async def not_ready(self) -> str:
+        """Why the client path cannot serve now ("" when it can): Triton not ready, or not serving a live version.
+
+        Triton's own readiness is strict (one model that failed to load, say a broken candidate, turns it 400
+        for good), so a server that is live and serves every live version the sidecar routes to is ready too.
+        """
+        c = self.control
+        if await c.server_ready(timeout_s=2.0):
+            return ""
+        if not await c.live(timeout_s=2.0):
+            return f"Triton at {c.base} does not answer /v2/health/live"
+        for model, ms in sorted(self.store.models().items()):
+            live = ms.get("live")
+            if live is not None and not await c.ready(model, live, timeout_s=2.0):
+                return f"Triton does not serve {model} version {live}"
+        return ""
+
     def sample(self, rate: float) -> bool:
         return rate >= 1.0 or self._random.random() < rate
 

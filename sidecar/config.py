@@ -156,6 +156,19 @@ class SidecarConfig:
     admin_token: str | None = None  # read from the token file at startup; None disables admin
     canary: CanaryParams = CanaryParams()  # defaults for canaries started without a value
     max_body_bytes: int = 64 << 20
+    # Client-path limits, with the defaults of a production proxy (nginx's client_header_timeout,
+    # client_body_timeout, keepalive_timeout, large_client_header_buffers; Envoy's max_headers_count).
+    header_timeout_s: float = 10.0  # request line and headers must have arrived by then: 408
+    body_timeout_s: float = 30.0  # the longest pause while a request body arrives: 408
+    keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this
+    # Triton's HTTP server resets a connection whose request head passes about 8 KiB (the client would get a
+    # 502): the sidecar refuses before that, with a status that says why.
+    max_url_bytes: int = 4096  # 414 beyond it
+    max_header_bytes: int = 3 << 10  # header names and values together: 431 beyond it
+    max_header_count: int = 100  # 431 beyond it
+    # Client connections; beyond it requests get 503 and the connection closes, except health checks
+    # (/healthz, /readyz) on the HEALTH_RESERVE connections above it. Also bounded by the open-files limit.
+    max_connections: int = 1000
     upstream_timeout_s: float = 60.0
     upstream_connections: int = 256
     judge_interval_s: float = 1.0
@@ -177,9 +190,11 @@ class SidecarConfig:
             raise ConfigError(f"listen port must be within 0..65535, got {self.listen_port}")
         if not Path(self.repository).is_dir():
             raise ConfigError(f"repository {self.repository} is not a directory")
-        for name in ("upstream_timeout_s", "judge_interval_s", "capture_max_per_second"):
+        for name in ("upstream_timeout_s", "judge_interval_s", "capture_max_per_second", "header_timeout_s",
+                     "body_timeout_s", "keepalive_timeout_s"):  # fmt: skip
             _positive(name, getattr(self, name))
-        for name in ("max_body_bytes", "upstream_connections", "capture_max_file_bytes", "capture_max_files"):
+        for name in ("max_body_bytes", "upstream_connections", "capture_max_file_bytes", "capture_max_files",
+                     "max_url_bytes", "max_header_bytes", "max_header_count", "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         _fraction("capture_rate", self.capture_rate)

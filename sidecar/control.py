@@ -164,6 +164,9 @@ class TritonControl:
         except ValueError as exc:
             raise ControlError(f"GET {path}: not JSON: {exc}") from exc
 
+    async def live(self, timeout_s: float = 2.0) -> bool:
+        return await self._get_ok("/v2/health/live", timeout_s)
+
     async def server_ready(self, timeout_s: float = 2.0) -> bool:
         """Triton's `/v2/health/ready`: reachable, and (strict readiness, the default) every model it tracks ready."""
         return await self._get_ok("/v2/health/ready", timeout_s)

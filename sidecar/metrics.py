@@ -144,6 +144,11 @@ class SidecarMetrics:
             "tunegate_mirror_dropped", "Sampled mirror requests dropped (reason: full, shutdown).",
             ["model", "role", "reason"], registry=registry,
         )  # fmt: skip
+        self.client_refused = LoopCounter(
+            "tunegate_client_refused",
+            "Client connections and requests refused by the client path's limits (reason: connections, timeout).",
+            ["reason"], registry=registry,
+        )  # fmt: skip
         self.mirror_skipped = LoopCounter(
             "tunegate_mirror_skipped", "Sampled requests not mirrored for their semantics (reason: sequence, decoupled).",
             ["model", "reason"], registry=registry,

@@ -30,6 +30,7 @@ import json
 import logging
 import random
 import re
+import resource
 import time
 from collections.abc import Callable
 from urllib.parse import unquote
@@ -63,6 +64,11 @@ CONTROL_PATH = re.compile(rb"^/v2/repository/models/[^/]+/(load|unload)$")
 LINGER_S = 2.0  # after answering a request the connection cannot go on from, input is discarded this long
 SMALL_BODY = 64 << 10  # response bodies up to this size are joined with the head
 MAX_PIPELINED = 16  # requests parsed ahead on one connection before reading pauses
+HEALTH_RESERVE = 16  # connections above max_connections that may still ask /healthz and /readyz
+HEALTH_PATHS = frozenset({b"/healthz", b"/readyz"})
+SWEEP_S = 0.5  # how often client connections' timeouts are checked (one timer for all of them)
+# What a connection waits for: the start of a request (idle), the rest of its head, its body, or our answer.
+IDLE, HEAD, BODY, ANSWERING = range(4)
 
 
 def _reason(status: int) -> bytes:
@@ -131,21 +137,43 @@ class _ClientConnection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._size = 0
+        self._head_size = 0  # bytes received while the current request's head is incomplete
+        self._header_bytes = 0
+        self.phase = IDLE
+        self.deadline = time.monotonic() + front.config.header_timeout_s  # the first request must begin by then
+        self.over_cap = False  # accepted beyond max_connections: health checks only
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.front.connections.add(self)
+        front = self.front
+        n = len(front.connections)
+        if n >= front.max_connections + HEALTH_RESERVE:
+            front.metrics.inc(front.metrics.client_refused, "connections")
+            self.closing = True
+            transport.close()
+            return
+        self.over_cap = n >= front.max_connections
+        front.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
         self.queue.clear()  # nobody is left to answer; a request at Triton finishes and is dropped
         self.front.connections.discard(self)
+        # The parser calls back into this object: without this the pair is a cycle that only a full garbage
+        # collection frees (the sidecar freezes and raises the collector's thresholds), with its buffers.
+        self.parser = None  # type: ignore[assignment]
+        self._headers, self._body, self.current = [], [], None
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
         try:
             self.parser.feed_data(data)
+            if self.phase == HEAD:
+                self._head_size += len(data)
+                limit = self.front.config.max_url_bytes + self.front.config.max_header_bytes
+                if self._head_size > limit and not self.closing:
+                    self._fail(431, f"request head is over {limit} bytes")
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__cause__ or exc.__context__
             reject = cause if isinstance(cause, _Reject) else None
@@ -168,14 +196,27 @@ class _ClientConnection(asyncio.Protocol):
     # -- httptools callbacks ----------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", [], [], 0
+        self._head_size = self._header_bytes = 0
+        self.phase = HEAD
+        self.deadline = time.monotonic() + self.front.config.header_timeout_s
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > self.front.config.max_url_bytes:
+            raise _Reject(414, f"URL is over the limit of {self.front.config.max_url_bytes} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name, value))
+        self._header_bytes += len(name) + len(value)
+        cfg = self.front.config
+        if len(self._headers) > cfg.max_header_count:
+            raise _Reject(431, f"more than {cfg.max_header_count} request headers")
+        if self._header_bytes > cfg.max_header_bytes:
+            raise _Reject(431, f"request headers are over the limit of {cfg.max_header_bytes} bytes")
 
     def on_headers_complete(self) -> None:
+        self.phase = BODY
+        self.deadline = time.monotonic() + self.front.config.body_timeout_s
         limit = self.front.config.max_body_bytes
         expect = False
         for name, value in self._headers:
@@ -193,12 +234,14 @@ class _ClientConnection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
+        self.deadline = time.monotonic() + self.front.config.body_timeout_s
         self._size += len(body)
         if self._size > self.front.config.max_body_bytes:  # chunked bodies have no Content-Length
             raise _Reject(413, f"request body is over the limit of {self.front.config.max_body_bytes} bytes")
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self.phase, self.deadline = ANSWERING, None
         if self.closing:  # parsed after an answer that closes the connection: never sent on
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
@@ -235,10 +278,26 @@ class _ClientConnection(asyncio.Protocol):
         self.current = None
         self.busy = False
         self._write(out, close=close or not req.keep_alive)
+        if self.phase == ANSWERING and not self.queue:
+            self.phase, self.deadline = IDLE, time.monotonic() + self.front.config.keepalive_timeout_s
         if self.paused and len(self.queue) < MAX_PIPELINED // 2 and not self.closing and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
         self._next()
+
+    def expire(self, now: float) -> None:
+        """From the sweep: a client that is too slow with its request gets a 408, an idle one is closed."""
+        if self.deadline is None or now < self.deadline or self.busy or self.queue or self.closing:
+            return
+        self.deadline = None
+        if self.phase == IDLE:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        what = "headers" if self.phase == HEAD else "body"
+        limit = self.front.config.header_timeout_s if self.phase == HEAD else self.front.config.body_timeout_s
+        self.front.metrics.inc(self.front.metrics.client_refused, "timeout")
+        self._fail(408, f"request {what} did not arrive within {limit:g}s")
 
     def _write(self, parts: list[bytes], close: bool) -> None:
         transport = self.transport
@@ -272,6 +331,20 @@ class Front:
         self.capture = app.get(CAPTURE)
         self.connections: set[_ClientConnection] = set()
         self._ids = random.Random()  # seeded from the OS once
+        self.max_connections = min(self.config.max_connections, open_files_room(self.config.upstream_connections))
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def start_sweeping(self) -> None:
+        """One timer for every client connection's timeouts (a timer per connection and phase cost more)."""
+        loop = asyncio.get_running_loop()
+
+        def sweep() -> None:
+            now = time.monotonic()
+            for conn in list(self.connections):
+                conn.expire(now)
+            self._sweeper = loop.call_later(SWEEP_S, sweep)
+
+        self._sweeper = loop.call_later(SWEEP_S, sweep)
 
     def request_id(self) -> str:
         """32 hex digits naming a mirrored or captured request: unique enough for exemplars, and without the
@@ -284,6 +357,11 @@ class Front:
     def dispatch(self, req: Request, conn: _ClientConnection) -> None:
         """Route one request; `conn.answered(req, ...)` is called exactly once, now or when upstream answers."""
         path, _, _query = req.url.partition(b"?")
+        if conn.over_cap and path not in HEALTH_PATHS:
+            self.metrics.inc(self.metrics.client_refused, "connections")
+            conn.answered(req, error(503, f"the sidecar serves {self.max_connections} client connections at most; "
+                                          "try again later", keep_alive=False), close=True)  # fmt: skip
+            return
         if req.method == b"POST":
             m = INFER_PATH.match(path)
             if m is not None:
@@ -374,8 +452,24 @@ class Front:
         self.capture.write(rec)
 
     def close_connections(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.close()
 
 
+
+
+def open_files_room(upstream_connections: int) -> int:
+    """Client connections the open-files limit leaves room for, after the upstream pool, the health-check reserve
+    and files; the soft limit is raised to the hard one first (as nginx's worker_rlimit_nofile would be set)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        want = 1 << 16 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return max(1, soft - upstream_connections - HEALTH_RESERVE - 64)

@@ -1,0 +1,208 @@
+"""The client path's limits against slow, oversized and too many clients, on raw sockets in front of a real Triton.
+
+Each test runs its own sidecar (in this event loop) with short timeouts so the limits show within seconds;
+the defaults (sidecar.config.SidecarConfig) are those of a production proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import time
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sidecar.app import RunningSidecar, start
+from sidecar.config import SidecarConfig
+from tests.sidecar_models import TOKEN, add_model, infer_body
+from tunegate.triton import EmbeddedTriton, TritonOptions
+
+pytestmark = pytest.mark.triton
+FAST = {"header_timeout_s": 1.0, "body_timeout_s": 1.0, "keepalive_timeout_s": 1.5}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("limits-repo")
+    add_model(repo, "plain", {})
+    return repo
+
+
+@pytest.fixture(scope="module")
+def triton(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
+    server = EmbeddedTriton(TritonOptions(repository=repo, models=("plain",)), workdir=tmp_path_factory.mktemp("t"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@contextlib.asynccontextmanager
+async def sidecar(triton: EmbeddedTriton, repo: Path, state: Path, **kw: Any) -> AsyncIterator[RunningSidecar]:
+    cfg = SidecarConfig(upstream=triton.http_url, state_dir=state, repository=repo, listen_port=0, admin_token=TOKEN,
+                        **{**FAST, **kw})  # fmt: skip
+    running = await start(cfg, CollectorRegistry())
+    try:
+        yield running
+    finally:
+        await running.close()
+
+
+async def exchange(port: int, data: bytes, *, pause_s: float = 0.0, chunk: int = 0, wait_s: float = 5.0) -> tuple[bytes, float]:
+    """Send `data` (in `chunk`-byte pieces `pause_s` apart when set), read until the server closes; (answer, seconds)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    t0 = time.monotonic()
+    try:
+        if chunk:
+            for i in range(0, len(data), chunk):
+                if reader.at_eof() or len(reader._buffer):  # the server answered: stop sending
+                    break
+                try:
+                    writer.write(data[i:i + chunk])
+                    await writer.drain()
+                except ConnectionError:
+                    break
+                await asyncio.sleep(pause_s)
+        else:
+            writer.write(data)
+        out = await asyncio.wait_for(reader.read(1 << 20), wait_s)
+        while out and not out.endswith(b"}") and b"408" not in out[:20]:  # the rest of a split answer
+            more = await asyncio.wait_for(reader.read(1 << 20), wait_s)
+            if not more:
+                break
+            out += more
+        return out, time.monotonic() - t0
+    finally:
+        writer.close()
+
+
+async def closed_by_server(reader: asyncio.StreamReader, within_s: float) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(1), within_s) == b""
+    except (TimeoutError, ConnectionError):
+        return False
+
+
+def infer_request(close: bool = True) -> bytes:
+    body, _ = infer_body(np.random.default_rng(0))
+    return (b"POST /v2/models/plain/versions/1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + (b"Connection: close\r\n" if close else b"") + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+
+
+async def test_slow_and_silent_clients_get_408_or_are_closed(triton: EmbeddedTriton, repo: Path, tmp_path: Path) -> None:
+    async with sidecar(triton, repo, tmp_path / "s") as sc:
+        # A header trickled one byte every 0.2 s: 408 at the header timeout, not 90 s later.
+        out, took = await exchange(sc.port, infer_request(), chunk=1, pause_s=0.2, wait_s=0.05)
+        assert out.startswith(b"HTTP/1.1 408") and b"headers did not arrive" in out, out[:200]
+        assert took < 4.0, took
+        # Headers complete, the body stops halfway (or a chunk of 2^64-1 bytes announced, then silence): 408.
+        half = infer_request()[:-20]
+        out, took = await exchange(sc.port, half, wait_s=4.0)
+        assert out.startswith(b"HTTP/1.1 408") and b"body did not arrive" in out, out[:200]
+        huge = b"POST /v2/models/plain/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\nab"
+        out, _ = await exchange(sc.port, huge, wait_s=4.0)
+        assert out.startswith(b"HTTP/1.1 408"), out[:200]
+        # A connection that sends nothing is closed; one idle after its answer is closed after the keep-alive timeout.
+        reader, writer = await asyncio.open_connection("127.0.0.1", sc.port)
+        assert await closed_by_server(reader, 4.0)
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", sc.port)
+        writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        t0 = time.monotonic()
+        assert await closed_by_server(reader, 5.0)
+        assert 1.0 < time.monotonic() - t0 < 4.0
+        writer.close()
+        # Meanwhile the client path serves as usual.
+        out, _ = await exchange(sc.port, infer_request())
+        assert out.startswith(b"HTTP/1.1 200"), out[:200]
+
+
+async def test_oversized_heads_get_414_and_431_without_stalling_others(triton: EmbeddedTriton, repo: Path,
+                                                                        tmp_path: Path) -> None:  # fmt: skip
+    async with sidecar(triton, repo, tmp_path / "s") as sc:
+        out, _ = await exchange(sc.port, b"GET /v2/models/" + b"m" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 414"), out[:200]
+        many = b"".join(b"X-H%d: v\r\n" % i for i in range(150))
+        out, _ = await exchange(sc.port, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+        assert out.startswith(b"HTTP/1.1 431") and b"more than 100" in out, out[:200]
+        # One 8 MB header: refused once the head passes its limit, long before it ends, while others are served.
+        big = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (8 << 20) + b"\r\n\r\n"
+        slow = asyncio.ensure_future(exchange(sc.port, big, chunk=64 << 10, pause_s=0.0, wait_s=5.0))
+        ok, took = await exchange(sc.port, infer_request())
+        assert ok.startswith(b"HTTP/1.1 200") and took < 1.0, (ok[:100], took)
+        with contextlib.suppress(ConnectionError):
+            out, _ = await slow
+            assert out.startswith(b"HTTP/1.1 431"), out[:200]
+        # Triton resets a head over about 8 KiB (a 502 for the client): refused with a 431 that says why instead,
+        # and a request with big but allowed headers is served.
+        over = infer_request().replace(b"Host: x\r\n", b"Host: x\r\nX-Over: " + b"b" * 9_000 + b"\r\n")
+        out, _ = await exchange(sc.port, over)
+        assert out.startswith(b"HTTP/1.1 431"), out[:200]
+        fine = infer_request().replace(b"Host: x\r\n", b"Host: x\r\nX-Fine: " + b"b" * 3_000 + b"\r\n")
+        out, _ = await exchange(sc.port, fine)
+        assert out.startswith(b"HTTP/1.1 200"), out[:200]
+        long_url = b"GET /v2/health/live?" + b"q" * 4_000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        out, _ = await exchange(sc.port, long_url)
+        assert out.startswith(b"HTTP/1.1 200"), out[:200]
+
+
+async def test_connections_beyond_the_cap_get_503_and_health_checks_still_answer(triton: EmbeddedTriton, repo: Path,
+                                                                                 tmp_path: Path) -> None:  # fmt: skip
+    async with sidecar(triton, repo, tmp_path / "s", max_connections=10, header_timeout_s=30.0) as sc:
+        idle = [await asyncio.open_connection("127.0.0.1", sc.port) for _ in range(10)]
+        await asyncio.sleep(0.1)
+        out, _ = await exchange(sc.port, infer_request())
+        assert out.startswith(b"HTTP/1.1 503") and b"10 client connections" in out, out[:200]
+        out, _ = await exchange(sc.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 200"), out[:200]
+        for _, w in idle:
+            w.close()
+        await asyncio.sleep(0.2)
+        out, _ = await exchange(sc.port, infer_request())
+        assert out.startswith(b"HTTP/1.1 200"), out[:200]
+
+
+async def test_closed_connections_are_freed_without_the_garbage_collector(triton: EmbeddedTriton, repo: Path,
+                                                                          tmp_path: Path) -> None:  # fmt: skip
+    async with sidecar(triton, repo, tmp_path / "s") as sc:
+        gc.collect()
+        gc.disable()
+        try:
+            refs = []
+            for i in range(30):
+                _reader, writer = await asyncio.open_connection("127.0.0.1", sc.port)
+                writer.write(infer_request(close=False)[: 40 + i])  # mid-request, then gone
+                await writer.drain()
+                await asyncio.sleep(0.01)
+                refs += [weakref.ref(c) for c in sc.front.connections if all(r() is not c for r in refs)]
+                writer.close()
+                await writer.wait_closed()
+            await asyncio.sleep(0.3)
+            assert len(refs) >= 30
+            alive = sum(r() is not None for r in refs)
+            assert alive == 0, f"{alive} of {len(refs)} closed connections still held"
+        finally:
+            gc.enable()
+
+
+async def test_readyz_follows_triton_and_healthz_the_process(repo: Path, tmp_path: Path) -> None:
+    own = EmbeddedTriton(TritonOptions(repository=repo, models=("plain",)), workdir=tmp_path / "t")
+    own.start()
+    try:
+        async with sidecar(own, repo, tmp_path / "s") as sc:
+            out, _ = await exchange(sc.port, b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert out.startswith(b"HTTP/1.1 200") and b'"ready": true' in out, out
+            own.stop()
+            out, _ = await exchange(sc.port, b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert out.startswith(b"HTTP/1.1 503") and b"health/live" in out, out
+            out, _ = await exchange(sc.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert out.startswith(b"HTTP/1.1 200"), out
+    finally:
+        own.stop()
