@@ -138,6 +138,7 @@ class _ClientConnection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._head_size = 0  # bytes received while the current request's head is incomplete
+        self._began = False  # a request began in the read being parsed
         self._header_bytes = 0
         self.phase = IDLE
         self.deadline = time.monotonic() + front.config.header_timeout_s  # the first request must begin by then
@@ -168,8 +169,11 @@ class _ClientConnection(asyncio.Protocol):
         if self.closing:
             return
         try:
+            self._began = False
             self.parser.feed_data(data)
-            if self.phase == HEAD:
+            # Bytes of a head that began in an earlier read (a read that began it may hold earlier requests too,
+            # and is bounded by the read size): a huge header is refused as it grows, not once it is whole.
+            if self.phase == HEAD and not self._began:
                 self._head_size += len(data)
                 limit = self.front.config.max_url_bytes + self.front.config.max_header_bytes
                 if self._head_size > limit and not self.closing:
@@ -197,6 +201,7 @@ class _ClientConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", [], [], 0
         self._head_size = self._header_bytes = 0
+        self._began = True
         self.phase = HEAD
         self.deadline = time.monotonic() + self.front.config.header_timeout_s
 
