@@ -30,7 +30,7 @@ from sidecar.control import SHADOW_SUFFIX, ControlError, PromotionError, TritonC
 from sidecar.faults import Blame, MirrorFault, classify_answer, classify_exception
 from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, judge
 from sidecar.memory import SAMPLE_INTERVAL_S, MemoryProbe, Reading
-from sidecar.metrics import SidecarMetrics
+from sidecar.metrics import SidecarMetrics, repository_models
 from sidecar.mirror import Comparison, MirrorSlots, Reference, compare_responses, reference, request_class
 from sidecar.rollback import apply_retention, finish_pending, pending_rollback
 from sidecar.semantics import SEQUENCE, ModelSemantics, parse_model_config, sequence_request
@@ -44,6 +44,7 @@ from tunegate.tolerance import ToleranceError, ToleranceSpec
 LOG = logging.getLogger(__name__)
 INLINE_COMPARE_BYTES = 8 << 10
 Replayed = tuple[UpstreamResponse, float] | MirrorFault  # a mirror copy's 200 and its latency, or its fault
+KNOWN_MODELS_S = 10.0  # the repository's models are listed again this often (a new model's series: within it)
 SHADOW_RELOAD_RETRY_S = 5.0  # a paused canary's shadow that failed to reload is tried again this much later
 FORWARD_MIRROR_HEADERS = frozenset({b"content-type", b"content-encoding", b"inference-header-content-length"})
 
@@ -186,6 +187,7 @@ class CanaryManager:
         self._memory_due: dict[str, float] = {}  # canary id -> when its memory is sampled next
         self._memory_series: dict[str, list[tuple[str, str, str]]] = {}  # model -> memory gauge labels set
         self._throughput_due: dict[str, float] = {}  # canary id -> when Triton's statistics are read next
+        self._known_due = 0.0  # when the repository's models are listed again for the metric labels
 
     # -- client path hooks (must stay cheap: they run per request on the event loop) ----------
     def live_version(self, model: str) -> int | None:
@@ -470,6 +472,7 @@ class CanaryManager:
                 await self.control.start_shadow(model, candidate, live if params.latency_pairing == "shadow" else None)
             except ControlError as exc:
                 raise CanaryError(f"cannot load the candidate: {exc}", 502) from exc
+            await self.refresh_known()  # the candidate's version gets series of its own from its first copy
             now = time.time()
             canary = Canary(uuid.uuid4().hex, model, candidate, live, now, now + params.deadline_s, params, spec, source)
             canary.semantics = await self._semantics(model)
@@ -512,8 +515,15 @@ class CanaryManager:
         return [r for r in recs if model is None or r.get("model") == model]
 
     # -- judging and deciding ------------------------------------------------------------------
+    async def refresh_known(self) -> None:
+        """The repository's models and versions for the metric labels (sidecar.metrics: others share one label)."""
+        self._known_due = time.monotonic() + KNOWN_MODELS_S
+        self.metrics.set_known(await asyncio.to_thread(repository_models, self.config.repository))
+
     async def tick(self) -> None:
         loop = asyncio.get_running_loop()
+        if time.monotonic() >= self._known_due:
+            await self.refresh_known()
         self._clear_memory_series()
         for model, canary in list(self.canaries.items()):
             if canary.pending is not None:
@@ -638,6 +648,7 @@ class CanaryManager:
         Models the sidecar holds no state for publish the live version their config's policy names, so
         dashboards show what serves from the first scrape, not only after a first canary.
         """
+        await self.refresh_known()
         known = set(self.store.models())
         for model, version in await asyncio.to_thread(self._configured_live, known):
             self.metrics.init_model(model)

@@ -10,7 +10,10 @@ noise floor).
 from __future__ import annotations
 
 import bisect
+import contextlib
+import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -123,10 +126,25 @@ class LoopHistogram(_LoopFamily):
         yield family
 
 
+OTHER = "other"  # the label of models and versions the repository does not hold
+
+
+def repository_models(repository: Path) -> dict[str, frozenset[str]]:
+    """model -> its numeric version directories, for every model directory in `repository` (shadows included)."""
+    out: dict[str, frozenset[str]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(repository):
+            if entry.is_dir() and not entry.name.startswith("."):
+                with contextlib.suppress(OSError):
+                    out[entry.name] = frozenset(v.name for v in os.scandir(entry.path) if v.name.isdigit())
+    return out
+
+
 class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self._children: dict[tuple[str, str, str, int], tuple[_Count, _Observations]] = {}
+        self.known: dict[str, frozenset[str]] = {}  # model -> version directories (set_known)
         # The client and mirror paths' metrics (per request): loop-only, lock-free.
         self.requests = LoopCounter(
             "tunegate_requests", "Inference requests by model, version, role and HTTP status code.",
@@ -228,10 +246,26 @@ class SidecarMetrics:
             ["model", "outcome"], registry=registry,
         )  # fmt: skip
 
+    def set_known(self, known: dict[str, frozenset[str]]) -> None:
+        """The models the repository holds and their version directories: only these get series of their own."""
+        self.known = known
+
     def observe_request(self, model: str, version: str, role: str, code: int, seconds: float | None) -> None:
-        """Count one request (and its latency); label children are cached, the client path calls this per request."""
+        """Count one request (and its latency); label children are cached, the client path calls this per request.
+
+        A model or version the repository does not hold (any URL can name one) is counted under OTHER, so the
+        series stay as many as the repository's versions however many names clients send.
+        """
         key = (model, version, role, code)
         children = self._children.get(key)
+        if children is None:
+            versions = self.known.get(model)
+            if versions is None:
+                model = version = OTHER
+            elif version not in versions and version != "":
+                version = OTHER
+            key = (model, version, role, code)
+            children = self._children.get(key)
         if children is None:
             children = self._children[key] = (
                 self.requests.labels(model, version, role, str(code)),

@@ -223,3 +223,28 @@ async def test_readyz_follows_triton_and_healthz_the_process(repo: Path, tmp_pat
             assert out.startswith(b"HTTP/1.1 200"), out
     finally:
         own.stop()
+
+
+async def test_metric_series_stay_bounded_whatever_the_urls(triton: EmbeddedTriton, repo: Path, tmp_path: Path) -> None:
+    """Any URL can name a model or version: only those the repository holds get series of their own."""
+    async with sidecar(triton, repo, tmp_path / "s") as sc:
+        reader, writer = await asyncio.open_connection("127.0.0.1", sc.port)
+        body, _ = infer_body(np.random.default_rng(0))
+        names = [b"/v2/models/nosuch%d/infer" % i for i in range(300)]
+        names += [b"/v2/models/plain/versions/%d/infer" % (100 + i) for i in range(200)]
+        names += [b"/v2/models/plain/versions/1/infer"] * 5
+        for path in names:
+            writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (path, len(body), body))  # fmt: skip
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+        writer.close()
+        out, _ = await exchange(sc.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", wait_s=10)
+    text = out.decode(errors="replace")
+    series = [ln for ln in text.splitlines() if ln.startswith("tunegate_requests_total{")]
+    assert len(series) <= 8, series[:20]
+    assert any('model="other"' in ln for ln in series) and any('version="other"' in ln for ln in series), series
+    assert any('model="plain"' in ln and 'version="1"' in ln and 'code="200"' in ln for ln in series), series
+    assert len(out) < 1 << 20
