@@ -40,6 +40,7 @@ from aiohttp import web
 
 from sidecar.canary import CanaryManager
 from sidecar.config import SidecarConfig
+from sidecar.control import SHADOW_SUFFIX
 from sidecar.metrics import SidecarMetrics
 from sidecar.upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout, find_header
 from tunegate import codec
@@ -58,9 +59,14 @@ HOP_BY_HOP = frozenset({
     b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect",
 })  # fmt: skip
 INFER_PATH = re.compile(rb"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
-# Model control stays with the sidecar: a client loading the candidate under the model's own name
-# would hand it to every unversioned caller before promotion.
-CONTROL_PATH = re.compile(rb"^/v2/repository/models/[^/]+/(load|unload)$")
+# What clients may ask Triton for: inference, metadata, config, readiness, statistics, health and the repository
+# index. The rest of Triton's API changes server state (model control, logging and trace settings, shared
+# memory registration) and stays with operators: model control with the sidecar, since a client loading the
+# candidate under the model's own name would hand it to every unversioned caller before promotion.
+_MODEL = rb"/v2/models/(?P<model>[^/]+)(?:/versions/[0-9]+)?"
+SHADOW_SUFFIX_BYTES = SHADOW_SUFFIX.encode()
+CLIENT_READ = re.compile(rb"^(?:/v2|/v2/health/(?:live|ready)|/v2/models/stats|" + _MODEL + rb"(?:/ready|/config|/stats)?)$")
+CLIENT_POST = re.compile(rb"^(?:/v2/repository/index|" + _MODEL + rb"/(?:infer|generate|generate_stream))$")
 LINGER_S = 2.0  # after answering a request the connection cannot go on from, input is discarded this long
 SMALL_BODY = 64 << 10  # response bodies up to this size are joined with the head
 MAX_PIPELINED = 16  # requests parsed ahead on one connection before reading pauses
@@ -370,12 +376,16 @@ class Front:
         if req.method == b"POST":
             m = INFER_PATH.match(path)
             if m is not None:
+                if m.group(1).endswith(SHADOW_SUFFIX_BYTES) or b"%" in m.group(1) and client_refusal(req.method, path):
+                    conn.answered(req, error(403, "a canary's shadow model is the sidecar's own: it serves no client",
+                                             req.keep_alive))  # fmt: skip
+                    return
                 self.infer(req, m, conn)
                 return
         if path == b"/v2" or path.startswith(b"/v2/"):
-            if CONTROL_PATH.match(path):
-                conn.answered(req, error(403, "model control goes through the sidecar's admin API (/canary), not "
-                                              "through the proxy", req.keep_alive))  # fmt: skip
+            refused = client_refusal(req.method, path)
+            if refused:
+                conn.answered(req, error(403, refused, req.keep_alive))
                 return
             self.passthrough(self.triton, req, conn)
             return
@@ -478,3 +488,18 @@ def open_files_room(upstream_connections: int) -> int:
         except (ValueError, OSError):
             pass
     return max(1, soft - upstream_connections - HEALTH_RESERVE - 64)
+
+
+def client_refusal(method: bytes, path: bytes) -> str:
+    """Why the client path refuses a /v2 request ("" when it forwards it): see CLIENT_READ and CLIENT_POST."""
+    m = (CLIENT_POST if method == b"POST" else CLIENT_READ if method in (b"GET", b"HEAD") else None)
+    found = m.match(path) if m is not None else None
+    if found is None:
+        if path.startswith(b"/v2/repository/models/"):
+            return "model control goes through the sidecar's admin API (/canary), not through the proxy"
+        return (f"{method.decode('latin-1')} {path.decode('latin-1')[:200]} is not part of what the sidecar forwards "
+                "(inference, metadata, config, readiness, statistics, health, repository index)")
+    model = found.group("model")
+    if model is not None and unquote(model.decode("latin-1")).endswith(SHADOW_SUFFIX):
+        return "a canary's shadow model is the sidecar's own: it serves no client"
+    return ""

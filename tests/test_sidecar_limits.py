@@ -248,3 +248,33 @@ async def test_metric_series_stay_bounded_whatever_the_urls(triton: EmbeddedTrit
     assert any('model="other"' in ln for ln in series) and any('version="other"' in ln for ln in series), series
     assert any('model="plain"' in ln and 'version="1"' in ln and 'code="200"' in ln for ln in series), series
     assert len(out) < 1 << 20
+
+
+async def test_the_client_path_forwards_an_allowlist_of_tritons_api(triton: EmbeddedTriton, repo: Path,
+                                                                    tmp_path: Path) -> None:  # fmt: skip
+    """Inference, metadata, config, health, statistics and the repository index pass; what changes Triton's state
+    (model control, logging, trace settings, shared memory) and the canary's shadow model get a 403."""
+    async with sidecar(triton, repo, tmp_path / "s") as sc:
+        async def status(method: bytes, path: bytes, body: bytes = b"") -> int:
+            out, _ = await exchange(sc.port, b"%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n"
+                                    b"Content-Type: application/json\r\n\r\n%s" % (method, path, len(body), body))  # fmt: skip
+            return int(out.split(b" ", 2)[1])
+
+        allowed = [(b"GET", b"/v2"), (b"GET", b"/v2/health/live"), (b"GET", b"/v2/health/ready"),
+                   (b"GET", b"/v2/models/plain"), (b"GET", b"/v2/models/plain/versions/1"),
+                   (b"GET", b"/v2/models/plain/config"), (b"GET", b"/v2/models/plain/ready"),
+                   (b"GET", b"/v2/models/plain/versions/1/stats"), (b"GET", b"/v2/models/stats"),
+                   (b"POST", b"/v2/repository/index")]  # fmt: skip
+        for method, path in allowed:
+            assert await status(method, path) == 200, path
+        body, _ = infer_body(np.random.default_rng(0))
+        assert await status(b"POST", b"/v2/models/plain/versions/1/infer", body) == 200
+        refused = [(b"POST", b"/v2/repository/models/plain/unload"), (b"POST", b"/v2/repository/models/plain/load/"),
+                   (b"POST", b"//v2/repository/models/plain/load"), (b"POST", b"/v2/logging"),
+                   (b"GET", b"/v2/logging"), (b"POST", b"/v2/trace/setting"), (b"POST", b"/v2/models/plain/trace/setting"),
+                   (b"POST", b"/v2/systemsharedmemory/region/r/register"), (b"GET", b"/v2/cudasharedmemory/status"),
+                   (b"POST", b"/v2/models/plain__canary/versions/1/infer"), (b"GET", b"/v2/models/plain__canary"),
+                   (b"POST", b"/v2/models/plain%5F%5Fcanary/infer"), (b"DELETE", b"/v2/models/plain")]  # fmt: skip
+        for method, path in refused:
+            got = await status(method, path, body if path.endswith(b"infer") else b"")
+            assert got == 403 or (path.startswith(b"//") and got in (400, 404)), (method, path, got)
