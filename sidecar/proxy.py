@@ -28,6 +28,7 @@ import dataclasses
 import http
 import json
 import logging
+import math
 import random
 import re
 import resource
@@ -65,6 +66,7 @@ INFER_PATH = re.compile(rb"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 # candidate under the model's own name would hand it to every unversioned caller before promotion.
 _MODEL = rb"/v2/models/(?P<model>[^/]+)(?:/versions/[0-9]+)?"
 SHADOW_SUFFIX_BYTES = SHADOW_SUFFIX.encode()
+HEADER_LENGTH = codec.HEADER.lower().encode()
 CLIENT_READ = re.compile(rb"^(?:/v2|/v2/health/(?:live|ready)|/v2/models/stats|" + _MODEL + rb"(?:/ready|/config|/stats)?)$")
 CLIENT_POST = re.compile(rb"^(?:/v2/repository/index|" + _MODEL + rb"/(?:infer|generate|generate_stream))$")
 LINGER_S = 2.0  # after answering a request the connection cannot go on from, input is discarded this long
@@ -415,6 +417,15 @@ class Front:
         pool.send(b"GET" if head else req.method, req.url, req.forward_headers(), body, done)
 
     def infer(self, req: Request, m: re.Match[bytes], conn: _ClientConnection) -> None:
+        raw_hl = find_header(req.headers, HEADER_LENGTH)
+        try:
+            hl = None if raw_hl is None else int(raw_hl)
+        except ValueError:
+            hl = None  # Triton answers what is wrong with it
+        refused = shape_refusal(req.body, hl)
+        if refused:
+            conn.answered(req, error(400, refused, req.keep_alive))
+            return
         model = unquote(m.group(1).decode("latin-1"))
         version = m.group(2)
         target = req.url
@@ -502,4 +513,37 @@ def client_refusal(method: bytes, path: bytes) -> str:
     model = found.group("model")
     if model is not None and unquote(model.decode("latin-1")).endswith(SHADOW_SUFFIX):
         return "a canary's shadow model is the sidecar's own: it serves no client"
+    return ""
+
+
+def shape_refusal(body: bytes, header_length: int | None) -> str:
+    """Why an infer request cannot be what it says ("" when it can): an input whose shape holds more elements than
+    the request's bytes. Every element takes at least one byte (a JSON number and its comma, a BOOL or INT8,
+    a BYTES element's 4-byte length), so such a request is malformed; Triton itself aborts on some of them
+    (a JSON shape of [2**40, 4] makes it allocate first). Inputs in shared memory are not checked.
+
+    Byte searches only (the JSON header is not parsed): a JSON body is scanned for each `"shape"`; a binary
+    one only in its JSON header.
+    """
+    head = body if header_length is None else body[:header_length]
+    if b'"shape"' not in head or b"shared_memory_region" in head:
+        return ""
+    at = 0
+    while (at := head.find(b'"shape"', at)) >= 0:
+        at += 7
+        lo = head.find(b"[", at)
+        hi = head.find(b"]", lo)
+        if lo < 0 or hi < 0 or head[at:lo].strip(b" \t\r\n:"):
+            continue  # "shape" as some other value; Triton answers what it is
+        text = head[lo:hi + 1].decode("latin-1")[:100]
+        inner = head[lo + 1:hi].strip()
+        try:
+            dims = [int(d) for d in inner.split(b",")] if inner else []
+        except ValueError:
+            return f"shape {text} is not a list of integers"
+        if any(d < 0 for d in dims):
+            return f"shape {text} has a negative dimension"
+        n = math.prod(dims)
+        if n > len(body):
+            return f"an input of shape {text} has {n} elements, more than the {len(body)} bytes of the request can hold"
     return ""

@@ -278,3 +278,23 @@ async def test_the_client_path_forwards_an_allowlist_of_tritons_api(triton: Embe
         for method, path in refused:
             got = await status(method, path, body if path.endswith(b"infer") else b"")
             assert got == 403 or (path.startswith(b"//") and got in (400, 404)), (method, path, got)
+
+
+async def test_a_shape_the_body_cannot_hold_is_refused_before_triton(triton: EmbeddedTriton, repo: Path,
+                                                                     tmp_path: Path) -> None:  # fmt: skip
+    """A JSON shape of [2**40, 4] aborts Triton (it allocates first); the sidecar answers 400 and Triton keeps serving."""
+    async with sidecar(triton, repo, tmp_path / "s") as sc:
+        def infer(body: bytes, extra: bytes = b"") -> bytes:
+            return (b"POST /v2/models/plain/versions/1/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + extra
+                    + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+
+        bomb = b'{"inputs":[{"name":"x","shape":[1099511627776,4],"datatype":"FP32","data":[1,2,3,4]}]}'
+        out, _ = await exchange(sc.port, infer(bomb))
+        assert out.startswith(b"HTTP/1.1 400") and b"4398046511104 elements" in out, out[:300]
+        header = b'{"inputs":[{"name":"x","shape":[1073741824,4],"datatype":"FP32","parameters":{"binary_data_size":16}}]}'
+        out, _ = await exchange(sc.port, infer(header + b"\0" * 16, b"Inference-Header-Content-Length: %d\r\n" % len(header)))
+        assert out.startswith(b"HTTP/1.1 400") and b"elements" in out, out[:300]
+        out, _ = await exchange(sc.port, infer(b'{"inputs":[{"name":"x","shape":[-3,4],"datatype":"FP32","data":[1]}]}'))
+        assert out.startswith(b"HTTP/1.1 400") and b"negative" in out, out[:300]
+        out, _ = await exchange(sc.port, infer_request())  # Triton is still up
+        assert out.startswith(b"HTTP/1.1 200"), out[:300]
