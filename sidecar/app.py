@@ -9,14 +9,17 @@ itself and hands every other request to this application over a private unix soc
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import hmac
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlparse
@@ -30,7 +33,7 @@ from sidecar.canary import CanaryError, CanaryManager
 from sidecar.config import SidecarConfig
 from sidecar.judge import PIN, PROMOTE
 from sidecar.metrics import SidecarMetrics
-from sidecar.proxy import CAPTURE, CONFIG, MANAGER, METRICS, UPSTREAM, Front
+from sidecar.proxy import CAPTURE, CONFIG, MANAGER, METRICS, PEER_HEADER, UPSTREAM, Front
 from sidecar.rollback import RollbackError, rollback
 from sidecar.state import StateStore
 from sidecar.upstream import UpstreamPool
@@ -40,16 +43,61 @@ LOG = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+FAILED_TOKENS = web.AppKey("failed_tokens", "FailedTokens")
+
+
+class FailedTokens:
+    """Wrong or missing tokens per client address: past MAX_FAILURES within WINDOW_S, 429 until the window passes.
+
+    The address is the client connection's (the front sends it as PEER_HEADER, replacing any a client sent);
+    requests that reach this application another way (its own admin listener) use the socket's peer.
+    """
+
+    MAX_FAILURES = 10
+    WINDOW_S = 60.0
+    MAX_PEERS = 10_000  # addresses tracked at once; the oldest are forgotten first
+
+    def __init__(self) -> None:
+        self.failures: dict[str, collections.deque[float]] = {}
+
+    def blocked_for(self, peer: str, now: float) -> float:
+        q = self.failures.get(peer)
+        while q and now - q[0] > self.WINDOW_S:
+            q.popleft()
+        if not q:
+            self.failures.pop(peer, None)
+            return 0.0
+        return self.WINDOW_S - (now - q[0]) if len(q) >= self.MAX_FAILURES else 0.0
+
+    def failed(self, peer: str, now: float) -> None:
+        if peer not in self.failures and len(self.failures) >= self.MAX_PEERS:
+            del self.failures[next(iter(self.failures))]
+        self.failures.setdefault(peer, collections.deque(maxlen=self.MAX_FAILURES)).append(now)
+
+
+def _peer(request: web.Request) -> str:
+    return request.headers.get(PEER_HEADER) or str(request.remote or "")
+
+
 def _authorized(handler: Handler) -> Handler:
     async def wrapped(request: web.Request) -> web.StreamResponse:
         token = request.app[CONFIG].admin_token
         if token is None:
             return web.json_response({"error": "the admin API is disabled (no admin token configured)"}, status=403)
+        throttle, peer, now = request.app[FAILED_TOKENS], _peer(request), time.monotonic()
+        wait = throttle.blocked_for(peer, now)
+        if wait > 0:
+            return web.json_response({"error": f"too many failed tokens from {peer}; try again in {wait:.0f}s"},
+                                     status=429, headers={"Retry-After": str(math.ceil(wait))})  # fmt: skip
         auth = request.headers.get("Authorization", "")
         if not auth.startswith("Bearer "):
+            throttle.failed(peer, now)
             return web.json_response({"error": "missing bearer token"}, status=401,
                                      headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-        if not hmac.compare_digest(auth[7:].strip().encode(), token.encode()):
+        # Header values arrive as text with undecodable bytes escaped: compare the bytes the client sent.
+        sent = auth[7:].strip().encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(sent, token.encode()):
+            throttle.failed(peer, now)
             return web.json_response({"error": "wrong token"}, status=403)
         try:
             return await handler(request)
@@ -72,8 +120,8 @@ async def canary_get(request: web.Request) -> web.StreamResponse:
 @_authorized
 async def canary_start(request: web.Request) -> web.StreamResponse:
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = json.loads(await request.read())
+    except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, nesting too deep, an integer too long
         return web.json_response({"error": "the body must be a JSON object"}, status=400)
     if not isinstance(body, dict):
         return web.json_response({"error": "the body must be a JSON object"}, status=400)
@@ -189,6 +237,7 @@ GC_GEN0_THRESHOLD = 100_000  # default 700
 def build_app(config: SidecarConfig, registry: CollectorRegistry | None = None) -> web.Application:
     app = web.Application(client_max_size=config.max_body_bytes)
     app[CONFIG] = config
+    app[FAILED_TOKENS] = FailedTokens()
     app[METRICS] = SidecarMetrics(registry if registry is not None else CollectorRegistry())
     app.cleanup_ctx.append(_resources)
     app.cleanup_ctx.append(_ticker)
@@ -239,6 +288,9 @@ async def start(config: SidecarConfig, registry: CollectorRegistry | None = None
     try:
         sock = os.path.join(sockdir, "admin.sock")
         await web.UnixSite(runner, sock).start()
+        if config.admin_listen is not None:  # the admin API on an address of its own; the client port refuses it
+            host, port = config.admin_listen
+            await web.TCPSite(runner, host, port, reuse_address=True).start()
         admin = UpstreamPool("localhost", 0, limit=64, timeout_s=config.upstream_timeout_s, unix_path=sock)
         front = Front(app, admin)
         server = await asyncio.get_running_loop().create_server(

@@ -32,6 +32,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (413 above)")
     p.add_argument("--retain-versions", type=int, metavar="N",
                    help="after a promotion or rollback, keep a model's newest N versions (3; 0: all)")
+    p.add_argument("--admin-listen", metavar="HOST:PORT",
+                   help="serve the admin API (/canary, /decisions) on this address only, not on the client port")
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_sidecar)
 
@@ -67,7 +69,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         "listen": args.listen, "upstream": args.upstream, "state_dir": args.state_dir,
         "repository": args.repository, "admin_token_file": args.admin_token_file,
         "capture_dir": args.capture_dir, "capture_rate": args.capture_rate, "max_body_bytes": args.max_body_bytes,
-        "retain_versions": args.retain_versions,
+        "retain_versions": args.retain_versions, "admin_listen": args.admin_listen,
     }  # fmt: skip
     try:
         config = load_config(args.config, overrides)

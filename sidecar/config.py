@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 from sidecar.judge import JudgeParams
 
 LATENCY_PAIRINGS = ("primary", "shadow")
+MAX_DEADLINE_S = 7 * 86400.0
 
 
 class ConfigError(ValueError):
@@ -85,6 +86,8 @@ class CanaryParams:
         _fraction("min_throughput_ratio", self.min_throughput_ratio)
         for name in ("timeout_s", "deadline_s", "required_speedup", "max_memory_ratio"):
             _positive(name, getattr(self, name))
+        if self.deadline_s > MAX_DEADLINE_S:
+            raise ConfigError(f"deadline_s must be at most {MAX_DEADLINE_S:g} (7 days), got {self.deadline_s!r}")
         w = self.warmup_s
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
             raise ConfigError(f"warmup_s must be a non-negative number, got {w!r}")
@@ -154,6 +157,9 @@ class SidecarConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     admin_token: str | None = None  # read from the token file at startup; None disables admin
+    # (host, port) of a listener for the admin API alone; then the client port answers 404 to /canary and
+    # /decisions, and client traffic never reaches the token check. None: the admin API is on the client port.
+    admin_listen: tuple[str, int] | None = None
     canary: CanaryParams = CanaryParams()  # defaults for canaries started without a value
     max_body_bytes: int = 64 << 20
     # Client-path limits, with the defaults of a production proxy (nginx's client_header_timeout,
@@ -211,6 +217,13 @@ class SidecarConfig:
         return self.upstream.rstrip("/")
 
 
+def _host_port(name: str, value: Any) -> tuple[str, int]:
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{name} must be host:port, got {value!r}")
+    return host or "127.0.0.1", int(port)
+
+
 def read_token(path: Path) -> str:
     try:
         token = Path(path).read_text().strip()
@@ -241,10 +254,10 @@ def load_config(path: Path | None, overrides: Mapping[str, Any]) -> SidecarConfi
         raise ConfigError("[canary] must be a table")
     listen = raw.pop("listen", None)
     if listen is not None:
-        host, sep, port = str(listen).rpartition(":")
-        if not sep or not port.isdigit():
-            raise ConfigError(f"listen must be host:port, got {listen!r}")
-        raw["listen_host"], raw["listen_port"] = host or "127.0.0.1", int(port)
+        raw["listen_host"], raw["listen_port"] = _host_port("listen", listen)
+    admin_listen = raw.pop("admin_listen", None)
+    if admin_listen is not None:
+        raw["admin_listen"] = _host_port("admin_listen", admin_listen)
     token_file = raw.pop("admin_token_file", None)
     if token_file is not None:
         raw["admin_token"] = read_token(Path(token_file))

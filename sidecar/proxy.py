@@ -74,6 +74,9 @@ SMALL_BODY = 64 << 10  # response bodies up to this size are joined with the hea
 MAX_PIPELINED = 16  # requests parsed ahead on one connection before reading pauses
 HEALTH_RESERVE = 16  # connections above max_connections that may still ask /healthz and /readyz
 HEALTH_PATHS = frozenset({b"/healthz", b"/readyz"})
+ADMIN_PREFIXES = (b"/canary", b"/decisions")  # with a separate admin listener, the client port refuses these
+PEER_HEADER = "X-Tunegate-Peer"  # the client's address, as the front tells the admin application
+_PEER = PEER_HEADER.lower().encode()
 SWEEP_S = 0.5  # how often client connections' timeouts are checked (one timer for all of them)
 # What a connection waits for: the start of a request (idle), the rest of its head, its body, or our answer.
 IDLE, HEAD, BODY, ANSWERING = range(4)
@@ -391,7 +394,12 @@ class Front:
                 return
             self.passthrough(self.triton, req, conn)
             return
-        self.passthrough(self.admin, req, conn)
+        if self.config.admin_listen is not None and path.startswith(ADMIN_PREFIXES):
+            conn.answered(req, error(404, "not found: the admin API listens on an address of its own", req.keep_alive))
+            return
+        peer = b"" if conn.transport is None else str((conn.transport.get_extra_info("peername") or ("",))[0]).encode()
+        headers = [(k, v) for k, v in req.forward_headers() if k.lower() != _PEER] + [(PEER_HEADER.encode(), peer)]
+        self.passthrough(self.admin, req, conn, headers)
 
     def _upstream_error(self, exc: BaseException, req: Request, conn: _ClientConnection) -> None:
         """Answer `req` for an upstream failure: 504 for a timeout, 502 for the rest (a bug: 500, and close)."""
@@ -404,7 +412,8 @@ class Front:
             LOG.error("upstream request failed unexpectedly: %r", exc)
             conn.answered(req, error(500, "internal sidecar error", keep_alive=False), close=True)
 
-    def passthrough(self, pool: UpstreamPool, req: Request, conn: _ClientConnection) -> None:
+    def passthrough(self, pool: UpstreamPool, req: Request, conn: _ClientConnection,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:  # fmt: skip
         head = req.method == b"HEAD"  # asked upstream as GET: the response parser cannot tell a HEAD answer's end
 
         def done(resp: UpstreamResponse | None, exc: BaseException | None) -> None:
@@ -414,7 +423,8 @@ class Front:
             conn.answered(req, render(resp.status, resp.reason, resp.headers, resp.body, req.keep_alive, head_only=head))
 
         body = req.body if req.body or req.method in (b"POST", b"PUT") else None
-        pool.send(b"GET" if head else req.method, req.url, req.forward_headers(), body, done)
+        pool.send(b"GET" if head else req.method, req.url, req.forward_headers() if headers is None else headers, body,
+                  done)  # fmt: skip
 
     def infer(self, req: Request, m: re.Match[bytes], conn: _ClientConnection) -> None:
         raw_hl = find_header(req.headers, HEADER_LENGTH)

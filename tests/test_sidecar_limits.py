@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import socket
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterator
@@ -298,3 +299,39 @@ async def test_a_shape_the_body_cannot_hold_is_refused_before_triton(triton: Emb
         assert out.startswith(b"HTTP/1.1 400") and b"negative" in out, out[:300]
         out, _ = await exchange(sc.port, infer_request())  # Triton is still up
         assert out.startswith(b"HTTP/1.1 200"), out[:300]
+
+
+async def test_admin_api_gives_4xx_throttles_failed_tokens_and_can_listen_apart(triton: EmbeddedTriton, repo: Path,
+                                                                                tmp_path: Path) -> None:  # fmt: skip
+    def get(path: bytes, auth: bytes, extra: bytes = b"") -> bytes:
+        return b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: %s\r\n%s\r\n" % (path, auth, extra)
+
+    def post(path: bytes, body: bytes) -> bytes:
+        return (b"POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+                % (path, TOKEN.encode(), len(body), body))  # fmt: skip
+
+    async with sidecar(triton, repo, tmp_path / "s") as sc:
+        out, _ = await exchange(sc.port, get(b"/canary", b"Bearer \xff\xfe"))  # not UTF-8: a wrong token, not a 500
+        assert out.startswith(b"HTTP/1.1 403"), out[:200]
+        for body in (b"[" * 100_000, b"{", b"\xff", b'{"candidate": 2, "deadline_s": 1e308}', b'{"candidate": "2"}'):
+            out, _ = await exchange(sc.port, post(b"/canary/plain", body))
+            assert out.startswith(b"HTTP/1.1 400") and b'"error"' in out, (body[:40], out[:300])
+        # Wrong tokens from one address: 429 after ten, whatever X-Tunegate-Peer the client claims.
+        codes = []
+        for i in range(12):
+            out, _ = await exchange(sc.port, get(b"/canary", b"Bearer wrong", b"X-Tunegate-Peer: 10.0.0.%d\r\n" % i))
+            codes.append(int(out.split(b" ", 2)[1]))
+        assert codes[:9] == [403] * 9 and codes[-1] == 429, codes
+        out, _ = await exchange(sc.port, get(b"/canary", b"Bearer " + TOKEN.encode()))
+        assert out.startswith(b"HTTP/1.1 429") and b"Retry-After" in out, out[:300]  # the right one waits too
+    # A separate admin listener: the client port never reaches the token check.
+    with contextlib.closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        admin_port = probe.getsockname()[1]
+    async with sidecar(triton, repo, tmp_path / "s2", admin_listen=("127.0.0.1", admin_port)) as sc:
+        out, _ = await exchange(sc.port, get(b"/canary", b"Bearer " + TOKEN.encode()))
+        assert out.startswith(b"HTTP/1.1 404"), out[:200]
+        out, _ = await exchange(admin_port, get(b"/canary", b"Bearer " + TOKEN.encode()))
+        assert out.startswith(b"HTTP/1.1 200") and b"models" in out, out[:300]
+        out, _ = await exchange(sc.port, get(b"/healthz", b"x"))
+        assert out.startswith(b"HTTP/1.1 200"), out[:200]
