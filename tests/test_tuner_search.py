@@ -199,3 +199,12 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path) -> None:
     bad.write_text("[model]\nname = 'x'\n")
     proc = run_cli("routes", str(bad))
     assert proc.returncode == 2 and "[model].source is required" in proc.stderr
+
+
+def test_a_baseline_without_its_model_file_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
+    """As on a fresh clone before `tunegate model prepare`: the version directory is there, its model file not."""
+    spec_path = tiny_project(tmp_path, bench={"repeats": 3, "e2e": False})
+    (tmp_path / "repo" / "tiny" / "1" / "model.onnx").unlink()
+    proc = run_cli("tune", str(spec_path))
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "model.onnx does not exist" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -55,8 +55,17 @@ def find_baseline(spec: TuneSpec) -> tuple[int, Path]:
     if not present:
         raise TuneError(f"{model_dir}: no baseline version directory (served: {list(served)})")
     v = max(present)
-    if not (model_dir / str(v) / "runtime.json").is_file():
+    runtime_path = model_dir / str(v) / "runtime.json"
+    if not runtime_path.is_file():
         raise TuneError(f"{model_dir / str(v)}: no runtime.json; the tuner measures python-onnx baselines in process")
+    try:
+        artifact = model_dir / str(v) / json.loads(runtime_path.read_text()).get("artifact", "model.onnx")
+    except (ValueError, AttributeError) as exc:
+        raise TuneError(f"{runtime_path} is not a JSON object: {exc}") from exc
+    if not artifact.is_file():
+        fix = ("run `tunegate model prepare` first: it exports the demo model and installs it as version 1"
+               if spec.model.name == "minilm" else "put the baseline's model file there")
+        raise TuneError(f"{artifact} does not exist (the baseline version {v} has no model file yet); {fix}")
     return v, model_dir / str(v)
 
 
