@@ -150,3 +150,57 @@ def test_a_second_search_in_the_same_workdir_is_refused_and_stale_builds_are_cle
     stale.mkdir(parents=True)
     tune(spec, progress=False, write=False)
     assert not stale.exists()
+
+
+def _workers(tag: str) -> list[int]:
+    """PIDs of build workers whose command line mentions `tag` (this test's directory)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"tuner.builders.worker" in cmd and tag.encode() in cmd:
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_a_tuner_killed_mid_build_leaves_no_build_worker(tmp_path: Path) -> None:
+    spec_path = tiny_project(tmp_path, search={"backend": BACKEND, "routes": "-fault=hang -opt=all"},
+                             bench={"repeats": 3, "e2e": False})  # fmt: skip
+    cmd = [sys.executable, "-m", "tunegate.cli", "tune", str(spec_path), "--json", "--no-write"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _workers(str(tmp_path)):
+            time.sleep(0.1)
+        assert _workers(str(tmp_path)), "no build worker started"
+        proc.kill()  # the tuner alone: its worker runs in a process group of its own
+    finally:
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _workers(str(tmp_path)):
+        time.sleep(0.1)
+    left = _workers(str(tmp_path))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"build workers outlived the tuner: {left}"
+
+
+def test_continue_never_writes_a_version_twice_and_clears_stale_staging(tmp_path: Path) -> None:
+    """A run killed right after writing its version (or any rerun of a finished search) with --continue: the
+    version is found by its release record (spec digest, route, baseline), not written again."""
+    spec_path = tiny_project(tmp_path, search={"routes": "-opt=[all|disable]"}, bench={"repeats": 3, "e2e": False},
+                             objective={"min_speedup": 0.01})  # fmt: skip
+    first = run_cli("tune", str(spec_path), "--json")
+    assert first.returncode == 0, first.stderr
+    written = json.loads(first.stdout)["version"]
+    assert written == 2
+    model_dir = tmp_path / "repo" / "tiny"
+    (model_dir / ".staging-killed").mkdir()  # what a writer killed mid-write leaves
+    again = run_cli("tune", str(spec_path), "--json", "--continue")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["version"] == written
+    assert sorted(p.name for p in model_dir.iterdir()) == ["1", "2", "config.pbtxt"]

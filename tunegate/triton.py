@@ -29,6 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from tunegate.procs import die_with_parent
+
 LOG = logging.getLogger(__name__)
 
 
@@ -209,6 +211,7 @@ class EmbeddedTriton:
             stdin=subprocess.DEVNULL,
             env=server_env(dist, [project_root]),
             start_new_session=True,  # its own process group: stop() reaps the stubs too
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call; dies with this process
         )
         try:
             self._wait_ready(opts.startup_timeout_s)

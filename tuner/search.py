@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tunegate.repository import parse_version_policy, versions
+from tunegate.repository import clean_staging, parse_version_policy, versions
 from tuner import gate
 from tuner.bench import bench_paired, bench_runner, objective, speedup
 from tuner.builders import Artifact, BuildContext, Builder, BuildError, get_builder
@@ -67,6 +67,23 @@ def find_baseline(spec: TuneSpec) -> tuple[int, Path]:
                if spec.model.name == "minilm" else "put the baseline's model file there")
         raise TuneError(f"{artifact} does not exist (the baseline version {v} has no model file yet); {fix}")
     return v, model_dir / str(v)
+
+
+def written_before(spec: TuneSpec, route: str, baseline_version: int) -> tuple[int, Path, dict[str, Any]] | None:
+    """A version above the baseline whose release.json is this search's winner (same spec digest, route and
+    baseline): what a run killed just after writing it left; None when there is none."""
+    model_dir = spec.model.repository / spec.model.name
+    for v in sorted(versions(model_dir), reverse=True):
+        if v <= baseline_version:
+            break
+        try:
+            rel = json.loads((model_dir / str(v) / "release.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if (isinstance(rel, dict) and rel.get("spec_digest") == spec.digest and rel.get("route") == route
+                and rel.get("baseline_version") == baseline_version):  # fmt: skip
+            return v, model_dir / str(v), rel
+    return None
 
 
 def plan(spec: TuneSpec, strategy: str | None = None) -> dict[str, Any]:
@@ -236,9 +253,11 @@ def tune(
     baseline_version, baseline_dir = find_baseline(spec)
     spec.workdir.mkdir(parents=True, exist_ok=True)
     with _exclusive(spec.workdir):
-        # a kill -9 mid-build leaves a temporary build directory; nothing else uses it
-        for stale in (spec.workdir / "builds").glob(".tmp-*"):
+        # A kill -9 leaves a temporary build directory, an e2e serving directory or a version's staging
+        # directory; under the lock nothing else uses them.
+        for stale in [*(spec.workdir / "builds").glob(".tmp-*"), *spec.workdir.glob("e2e-*")]:
             shutil.rmtree(stale, ignore_errors=True)
+        clean_staging(spec.model.repository / spec.model.name)
         return _tune(spec, builder, strategy, budget, resume, progress, write, baseline_version, baseline_dir, t_start)
 
 
@@ -308,9 +327,16 @@ def _tune(spec: TuneSpec, builder: Builder, strategy: str, budget: float, resume
                       + (" (the time budget stopped the search)" if search.stopped else ""))
         version = version_path = release = None
         if winner is not None and write:
-            rep.note(f"rebuilding the winner once and writing it: {winner.route}")
-            version, version_path, release = write_winner(spec, builder, winner, baseline, e2e, inputs, versions_info,
-                                                            {k: header[k] for k in ("backend", "strategy", "budget_s", "routes")})
+            earlier = written_before(spec, winner.route, baseline_version)
+            if earlier is not None:  # a run killed after writing it: --continue does not write it twice
+                version, version_path, release = earlier
+                rep.note(f"version {version} already holds this search's winner ({version_path}); not written again")
+            else:
+                rep.note(f"rebuilding the winner once and writing it: {winner.route}")
+                version, version_path, release = write_winner(
+                    spec, builder, winner, baseline, e2e, inputs, versions_info,
+                    {k: header[k] for k in ("backend", "strategy", "budget_s", "routes")})  # fmt: skip
+            cache.append({"kind": "written", "route": winner.route, "version": version, "path": str(version_path)})
     report = write_report(
         spec.workdir / "report.html",
         {"model": spec.model.name, "spec": str(spec.path), "spec_digest": spec.digest, "strategy": strategy,

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tunegate.procs import die_with_parent
 from tuner.builders.base import Artifact, BuildContext, BuildError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -71,6 +72,7 @@ def run_build(
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,  # its own group: a timeout kills everything it started
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call; dies with the tuner
             )
             try:
                 rc = proc.wait(timeout=timeout_s)
