@@ -191,10 +191,15 @@ class _ClientConnection(asyncio.Protocol):
                     self._fail(431, f"request head is over {limit} bytes")
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__cause__ or exc.__context__
-            reject = cause if isinstance(cause, _Reject) else None
-            if reject is None:
+            if isinstance(cause, _Reject):
+                status, message = cause.status, str(cause)
+            else:
                 LOG.exception("request parsing failed")
-            self._fail(reject.status if reject else 500, str(reject) if reject else "internal error")
+                status, message = 500, "internal error"
+            # The callback's exception holds its traceback, whose frames lead back here: a local naming it would
+            # make a cycle through this connection that only a full garbage collection frees.
+            del cause
+            self._fail(status, message)
         except httptools.HttpParserUpgrade:
             self._fail(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
@@ -452,7 +457,11 @@ class Front:
         t0 = time.perf_counter()
 
         def done(resp: UpstreamResponse | None, exc: BaseException | None) -> None:
-            in_flight[key] -= 1
+            left = in_flight[key] - 1
+            if left:
+                in_flight[key] = left
+            else:  # any URL names a model and version: keep no key per name once nothing is in flight
+                del in_flight[key]
             if resp is None:
                 timeout = isinstance(exc, UpstreamTimeout)
                 self._upstream_error(exc or UpstreamError("no answer"), req, conn)

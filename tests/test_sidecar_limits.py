@@ -194,9 +194,11 @@ async def test_closed_connections_are_freed_without_the_garbage_collector(triton
         gc.disable()
         try:
             refs = []
+            refused = [b"GET /" + b"u" * 5000 + b" HTTP/1.1\r\n", b"GET /v2 HTTP/1.1\r\nX: " + b"h" * 9000,
+                       b"\x16\x03\x01 garbage\r\n\r\n"]  # 414, 431, 400: refused from inside the parser
             for i in range(30):
                 _reader, writer = await asyncio.open_connection("127.0.0.1", sc.port)
-                writer.write(infer_request(close=False)[: 40 + i])  # mid-request, then gone
+                writer.write(refused[i % 3] if i % 2 else infer_request(close=False)[: 40 + i])  # then gone
                 await writer.drain()
                 await asyncio.sleep(0.01)
                 refs += [weakref.ref(c) for c in sc.front.connections if all(r() is not c for r in refs)]
