@@ -67,6 +67,8 @@ INFER_PATH = re.compile(rb"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 _MODEL = rb"/v2/models/(?P<model>[^/]+)(?:/versions/[0-9]+)?"
 SHADOW_SUFFIX_BYTES = SHADOW_SUFFIX.encode()
 HEADER_LENGTH = codec.HEADER.lower().encode()
+# Triton answers 500 to an infer body it cannot parse as JSON; the sidecar answers it as the 400 it is.
+TRITON_PARSE_ERROR = b'{"error":"failed to parse the request JSON buffer'
 CLIENT_READ = re.compile(rb"^(?:/v2|/v2/health/(?:live|ready)|/v2/models/stats|" + _MODEL + rb"(?:/ready|/config|/stats)?)$")
 CLIENT_POST = re.compile(rb"^(?:/v2/repository/index|" + _MODEL + rb"/(?:infer|generate|generate_stream))$")
 LINGER_S = 2.0  # after answering a request the connection cannot go on from, input is discarded this long
@@ -154,6 +156,7 @@ class _ClientConnection(asyncio.Protocol):
         self.phase = IDLE
         self.deadline = time.monotonic() + front.config.header_timeout_s  # the first request must begin by then
         self.over_cap = False  # accepted beyond max_connections: health checks only
+        self.half_closed = False  # the client sent EOF: close once the answers owed are written
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -204,6 +207,13 @@ class _ClientConnection(asyncio.Protocol):
             self._fail(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
             self._fail(400, f"malformed HTTP request: {exc}")
+
+    def eof_received(self) -> bool:
+        """The client half-closed: it still gets the answers it is owed, then the connection closes."""
+        if self.busy or self.queue:
+            self.half_closed = True
+            return True  # keep the transport open for writing
+        return False  # nothing owed: close
 
     def _fail(self, status: int, message: str) -> None:
         """Answer with an error after the responses already owed, then close: the stream cannot be trusted."""
@@ -299,6 +309,10 @@ class _ClientConnection(asyncio.Protocol):
         self.current = None
         self.busy = False
         self._write(out, close=close or not req.keep_alive)
+        if self.half_closed and not self.queue and self.transport is not None:
+            self.closing = True
+            self.transport.close()  # after the buffered answer is written
+            return
         if self.phase == ANSWERING and not self.queue:
             self.phase, self.deadline = IDLE, time.monotonic() + self.front.config.keepalive_timeout_s
         if self.paused and len(self.queue) < MAX_PIPELINED // 2 and not self.closing and self.transport is not None:
@@ -468,6 +482,8 @@ class Front:
                 self.metrics.observe_request(model, routed, "primary", 504 if timeout else 502, None)
                 return
             seconds = time.perf_counter() - t0
+            if resp.status == 500 and resp.body.startswith(TRITON_PARSE_ERROR):
+                resp.status, resp.reason = 400, b"Bad Request"  # the client's body, not the server, is at fault
             # The client's answer goes out first; bookkeeping and the mirror offer follow it.
             conn.answered(req, render(resp.status, resp.reason, resp.headers, resp.body, req.keep_alive))
             self.metrics.observe_request(model, routed, "primary", resp.status, seconds)
