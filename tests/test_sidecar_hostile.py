@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
