@@ -167,6 +167,8 @@ class SidecarMetrics:
             "Client connections and requests refused by the client path's limits (reason: connections, timeout).",
             ["reason"], registry=registry,
         )  # fmt: skip
+        for reason in ("connections", "timeout"):  # zeros from the start: a dashboard shows no gap
+            self.client_refused.labels(reason)
         self.mirror_skipped = LoopCounter(
             "tunegate_mirror_skipped", "Sampled requests not mirrored for their semantics (reason: sequence, decoupled).",
             ["model", "reason"], registry=registry,

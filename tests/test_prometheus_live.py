@@ -206,6 +206,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
                 cand_p50 = ('histogram_quantile(0.5, sum by (le) (rate(tunegate_request_duration_seconds_bucket'
                             f'{{model="{MODEL}", version="2", role="candidate"}}[5s])))')  # fmt: skip
                 wait_for("candidate latency in Prometheus", lambda: math.isfinite(run.value(cand_p50)), 60)
+                # Capacity needs the warm-up (10 s) and two readings of Triton's statistics 5 s apart.
+                capacity = f'count(tunegate_model_capacity_inferences_per_second{{model="{MODEL}"}})'
+                wait_for("capacity per version in Prometheus", lambda: run.value(capacity) == 2, 60)
                 run.alerts_before_bad = alerts(prom)
                 admin.promote(MODEL)
                 live_version = f'tunegate_live_version{{model="{MODEL}"}}'

@@ -160,6 +160,22 @@ PANELS: tuple[Panel, ...] = (
         unit="reqps", description="Dropped: the mirror was full (bounded concurrency) or shutting down.",
     ),
     Panel(
+        "Capacity: inferences/s the instances sustain", "timeseries",
+        (Target(f"max by (model, version, role) (tunegate_model_capacity_inferences_per_second{{{M}}})",
+                "{{model}} v{{version}} {{role}}"),),
+        unit="short",
+        description="From Triton's compute time per inference on the mirrored mix since the warm-up; the judge "
+                    "pins a candidate below min_throughput_ratio of the baseline's.",
+    ),
+    Panel(
+        "Memory per version", "timeseries",
+        (Target(f"max by (model, version, role) (tunegate_model_memory_bytes{{{M}}})",
+                "{{model}} v{{version}} {{role}}"),),
+        unit="bytes",
+        description="Resident memory of the instances' processes, or their GPU memory where a GPU serves; the "
+                    "judge pins a candidate above max_memory_ratio of the baseline's.",
+    ),
+    Panel(
         "Triton queue time per request", "timeseries",
         (Target(_per_request_ms("nv_inference_queue_duration_us"), "{{model}} v{{version}}"),), unit="ms",
     ),
