@@ -49,6 +49,21 @@ SHADOW_RELOAD_RETRY_S = 5.0  # a paused canary's shadow that failed to reload is
 FORWARD_MIRROR_HEADERS = frozenset({b"content-type", b"content-encoding", b"inference-header-content-length"})
 
 
+GATE_FIGURES = ("n", "k", "oot_rate", "upper", "budget", "confidence", "passed", "source")
+
+
+def gate_vs_canary(gate: dict[str, Any] | None, stats: dict[str, Any], params: CanaryParams) -> dict[str, Any]:
+    """The tuner's gate and the canary in the same terms (per-request out-of-tolerance rate, its one-sided
+    anytime bound, the budget, the confidence), side by side in the decision record."""
+    compared, oot = stats.get("compared"), stats.get("out_of_tolerance")
+    return {
+        "gate": gate,
+        "canary": {"n": compared, "k": oot, "oot_rate": stats.get("oot_rate"), "upper": stats.get("oot_rate_upper"),
+                   "upper_over_aa": stats.get("oot_difference_upper"), "budget": params.oot_budget,
+                   "confidence": params.confidence},
+    }  # fmt: skip
+
+
 class CanaryError(Exception):
     """A canary request that cannot be served; `status` is the HTTP status to answer with."""
 
@@ -83,6 +98,9 @@ class Canary:
     # count (sidecar.throughput). Not persisted: a restarted sidecar starts a new window.
     throughput_first: dict[str, ComputeReading] = dataclasses.field(default_factory=dict)
     instances: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The tuner's gate as the candidate's release.json records it (its rate in the canary's terms), for the
+    # decision record's side-by-side figures; None when the version has no release record.
+    gate: dict[str, Any] | None = None
     # The mirror budget (sidecar.budget): the effective sample rate and the client latency windows. Not
     # persisted: a restarted sidecar measures afresh, starting with a pause.
     budget: MirrorBudget = dataclasses.field(init=False)
@@ -132,6 +150,7 @@ class Canary:
             "judgement": self.judgement,
             "pending": self.pending,
             "semantics": None if self.semantics is None else self.semantics.to_dict(),
+            "gate": self.gate,
         }
 
     @classmethod
@@ -143,7 +162,7 @@ class Canary:
             tolerance_source=raw.get("tolerance_source", "request"),
             evidence=EvidenceCounter.from_dict(raw.get("evidence", {})),
             judgement=raw.get("judgement"), pending=raw.get("pending"),
-            semantics=ModelSemantics.from_dict(raw.get("semantics")),
+            semantics=ModelSemantics.from_dict(raw.get("semantics")), gate=raw.get("gate"),
         )  # fmt: skip
 
     def status(self) -> dict[str, Any]:
@@ -479,6 +498,8 @@ class CanaryManager:
             canary.evidence.started = now
             if release is not None:  # the request classes of the traffic the gate judged: each must be covered
                 canary.evidence.expected_classes = dict(release.get("gate", {}).get("classes", {}) or {})
+                g = release.get("gate") or {}
+                canary.gate = {k: g.get(k) for k in GATE_FIGURES} if isinstance(g, dict) and g else None
             self.canaries[model] = canary
             ms = self.store.model(model)
             ms["live"], ms["canary"] = live, canary.to_dict()
@@ -575,6 +596,7 @@ class CanaryManager:
                 "decided_by": by,
                 "exemplars": list(canary.evidence.exemplars), "started": canary.started, "at": time.time(),
                 "params": canary.params.to_dict(), "tolerance": canary.tolerance.to_dict(),
+                "gate_vs_canary": gate_vs_canary(canary.gate, j.stats, canary.params),
                 "tolerance_source": canary.tolerance_source,
             }  # fmt: skip
             self.store.model(model)["canary"] = canary.to_dict()

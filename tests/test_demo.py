@@ -62,8 +62,12 @@ def test_good_scenario_promotes_a_faster_route_within_tolerance(tmp_path: Path, 
     assert f"versions: [ {s['candidate']} ]" in cfg
     recs = [json.loads(x) for x in Path(s["records"]).read_text().splitlines() if x.strip()]
     assert [r["outcome"] for r in recs] == ["promote"]
+    side = recs[0]["gate_vs_canary"]  # the gate's figures and the canary's, side by side in the record
+    assert (side["gate"]["n"], side["gate"]["k"]) == (s["gate"]["n"], s["gate"]["k"]), side
+    assert side["canary"]["n"] == ev["compared"] and side["canary"]["budget"] == side["gate"]["budget"] == budget
     report = Path(s["canary_report"]).read_text()
     assert len(report) > 10_000 and "Gate vs canary" in report and Path(s["tune_report"]).exists()
+    assert "Candidate against baseline" in report and "capacity" in report
 
 
 def test_bad_scenario_pins_the_baseline(tmp_path: Path, minilm_onnx_path: Path) -> None:
