@@ -313,7 +313,8 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
 
 
 def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, concurrency: int, work: Path,
-           out: Path, pairing: str = "shadow", before_s: float = 15.0) -> dict[str, Any]:
+           out: Path, pairing: str = "shadow", before_s: float = 15.0,
+           params: dict[str, Any] | None = None) -> dict[str, Any]:
     """The sidecar canary under load, default canary parameters: Triton serves version 1, the sidecar mirrors to
     2 and decides. The same load runs `before_s` through the sidecar without a canary first: the clients'
     latency with the baseline alone, against which the canary's cost to clients is read.
@@ -372,7 +373,7 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
                 alone = list(client_times)
                 client_times.clear()
             t0, t0_wall = time.perf_counter(), time.time()
-            admin.start(name, 2, tolerance=tolerance.to_dict(), latency_pairing=pairing)
+            admin.start(name, 2, tolerance=tolerance.to_dict(), latency_pairing=pairing, **(params or {}))
             status = admin.wait_decision(name, timeout_s=deadline_s + 60)
         finally:
             stop.set()
@@ -392,7 +393,7 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
 def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, repeats: int, requests: int,
               device: str = "cuda", routes: list[str] | None = None, min_speedup: float = 1.05,
               autotune_parallel: bool = False, do_canary: bool = False, do_serve: bool = True,
-              pairing: str = "shadow") -> dict[str, Any]:
+              pairing: str = "shadow", canary_params: dict[str, Any] | None = None) -> dict[str, Any]:
     t_model = time.monotonic()
     builder = InductorBuilder()
     model_work = work / name
@@ -443,7 +444,8 @@ def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, 
             write_versions(name, model_work / "repo", base, winner, builder)
         if do_canary:
             try:
-                result["canary"] = canary(name, model_work / "repo", inputs, tolerance, 4, model_work, out, pairing=pairing)
+                result["canary"] = canary(name, model_work / "repo", inputs, tolerance, 4, model_work, out, pairing=pairing,
+                                          params=canary_params)
             except Exception as exc:
                 LOG.exception("the canary failed")
                 result["canary"] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
@@ -493,6 +495,11 @@ def table(results: list[dict[str, Any]]) -> str:
                              f"{lat.get('p95_ratio')}, capacity c/b {thr.get('candidate_capacity_rps')}/"
                              f"{thr.get('baseline_capacity_rps')} (ratio {thr.get('ratio')}), memory c/b "
                              f"{mem.get('candidate_bytes')}/{mem.get('baseline_bytes')} (ratio {mem.get('ratio')})")
+                if ev.get("max_client_slowdown"):
+                    lines.append(f"  mirror budget {ev.get('max_client_slowdown')}: sample rate {ev.get('mirror_sample_rate')} "
+                                 f"(lowest {ev.get('mirror_sample_rate_min')}), client p50 mirroring "
+                                 f"{ev.get('client_p50_mirroring_s')} s against paused {ev.get('client_p50_paused_s')} s, "
+                                 f"slowdown {ev.get('client_slowdown')}")
             decided = ((can.get("status") or {}).get("last") or {}).get("at")
             if decided and can.get("load_started_at"):
                 lines.append(f"  decided at t+{decided - can['load_started_at']:.2f}s of the load")
@@ -516,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--canary", action="store_true", help="after serving: the sidecar canary of version 2 under load")
     ap.add_argument("--canary-pairing", default="shadow", choices=("primary", "shadow"),
                     help="the canary's latency_pairing (shadow: the candidate's copy paired with a baseline replay)")
+    ap.add_argument("--canary-param", action="append", default=[], metavar="KEY=JSON",
+                    help="a canary parameter beside the defaults, e.g. max_client_slowdown=0.05 (repeatable)")
     ap.add_argument("--no-serve", action="store_true", help="skip the paired Triton measurement (versions are still written)")
     ap.add_argument("--autotune-parallel", action="store_true",
                     help="build autotuning routes alongside the others (faster; their GEMM timings share the GPU)")
@@ -536,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         routes = [r.strip() for r in args.routes.split(",") if r.strip()] or None
         results.append(run_model(name, args.out, args.work, float(budget or args.budget_s), args.parallel, args.repeats, args.requests,
                                  args.device, routes, args.min_speedup, args.autotune_parallel, args.canary,
-                                 not args.no_serve, args.canary_pairing))
+                                 not args.no_serve, args.canary_pairing,
+                                 {k: json.loads(v) for k, v in (p.split("=", 1) for p in args.canary_param)}))
         atomic_write_text(args.out / "results.txt", table(results))
     print(table(results))
     return 0
