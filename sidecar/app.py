@@ -47,7 +47,7 @@ FAILED_TOKENS = web.AppKey("failed_tokens", "FailedTokens")
 
 
 class FailedTokens:
-    """Wrong or missing tokens per client address: past MAX_FAILURES within WINDOW_S, 429 until the window passes.
+    """Wrong tokens per client address: past MAX_FAILURES within WINDOW_S, 429 until the window passes.
 
     The address is the client connection's (the front sends it as PEER_HEADER, replacing any a client sent);
     requests that reach this application another way (its own admin listener) use the socket's peer.
@@ -90,8 +90,7 @@ def _authorized(handler: Handler) -> Handler:
             return web.json_response({"error": f"too many failed tokens from {peer}; try again in {wait:.0f}s"},
                                      status=429, headers={"Retry-After": str(math.ceil(wait))})  # fmt: skip
         auth = request.headers.get("Authorization", "")
-        if not auth.startswith("Bearer "):
-            throttle.failed(peer, now)
+        if not auth.startswith("Bearer "):  # no guess made: not counted against the address
             return web.json_response({"error": "missing bearer token"}, status=401,
                                      headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
         # Header values arrive as text with undecodable bytes escaped: compare the bytes the client sent.

@@ -104,5 +104,6 @@ async def test_unreachable_upstream_is_a_clear_502(tmp_path: Path) -> None:
                 assert r.status == 200  # the sidecar itself stays up
     finally:
         await running.close()
-    assert registry.get_sample_value("tunegate_requests_total", {"model": "m", "version": "", "role": "primary",
+    # A model the repository does not hold is counted under "other" (bounded labels, sidecar.metrics).
+    assert registry.get_sample_value("tunegate_requests_total", {"model": "other", "version": "other", "role": "primary",
                                                                  "code": "502"}) == 1  # fmt: skip
