@@ -26,7 +26,7 @@ from tunegate.triton import EmbeddedTriton, TritonOptions
 pytestmark = pytest.mark.triton
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BIG = 16  # rows of the long-tail shape: request class b16xs4
-SMALL_WORK, BIG_WORK = 10_000, 250_000
+SMALL_WORK, BIG_WORK = 10_000, 600_000  # about 0.15 and 9 ms of CPU: the big shape's 25% stands out of the noise
 MODELS: dict[str, tuple[dict[str, Any], dict[int, dict[str, Any]]]] = {
     # baseline behaviour, candidates: 20% more work on the big shape only (the others unchanged)
     "shapeslow": ({"work": SMALL_WORK, "work_rows": {str(BIG): BIG_WORK}},
@@ -63,8 +63,9 @@ async def sidecar(triton: EmbeddedTriton, repo: Path, tmp_path: Path) -> AsyncIt
 
 
 async def run_clients(session: aiohttp.ClientSession, url: str, model: str, *, big_share: float, timeout_s: float,
-                      stop_when: str | None = "decided", concurrency: int = 3) -> list[int]:  # fmt: skip
-    """Clients sending a mix of 2-row and BIG-row requests until the canary decides (or `timeout_s`)."""
+                      stop_when: str | None = "decided", concurrency: int = 3, pause_s: float = 0.0) -> list[int]:  # fmt: skip
+    """Clients sending a mix of 2-row and BIG-row requests until the canary decides (or `timeout_s`), `pause_s`
+    apart each."""
     rng = np.random.default_rng(0)
     codes: list[int] = []
     stop = asyncio.Event()
@@ -76,6 +77,8 @@ async def run_clients(session: aiohttp.ClientSession, url: str, model: str, *, b
             async with session.post(f"{url}/v2/models/{model}/infer", data=body, headers=headers) as r:
                 await r.read()
                 codes.append(r.status)
+            if pause_s:
+                await asyncio.sleep(pause_s)
 
     async def watcher() -> None:
         while not stop.is_set() and time.monotonic() < deadline:
@@ -106,7 +109,8 @@ async def test_a_candidate_slower_only_on_the_longest_shape_is_pinned_naming_it(
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{sidecar}/canary/shapeslow", json={"candidate": 2, "deadline_s": 150}, headers=AUTH) as r:
             assert r.status == 201, await r.text()
-        codes = await run_clients(s, sidecar, "shapeslow", big_share=0.3, timeout_s=170)
+        # Paced below saturation (2 cores): the copies of a pair then compete with little else.
+        codes = await run_clients(s, sidecar, "shapeslow", big_share=0.3, timeout_s=170, pause_s=0.01)
         rec = await last_decision(s, sidecar, "shapeslow")
     assert set(codes) == {200}
     assert rec["outcome"] == "pin", rec["reasons"]
