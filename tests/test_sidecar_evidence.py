@@ -116,7 +116,7 @@ async def test_a_candidate_slower_only_on_the_longest_shape_is_pinned_naming_it(
     assert rec["outcome"] == "pin", rec["reasons"]
     classes = rec["evidence"]["classes"]
     assert any(f"request class b{BIG}xs4" in x and "slower" in x for x in rec["reasons"]), (rec["reasons"], classes)
-    assert classes[f"b{BIG}xs4"]["p50_ratio"] > 1.1, classes
+    assert classes[f"b{BIG}xs4"]["p50_ratio"] > 1.05, classes  # above the allowed ratio (1 + latency_slack)
     assert classes["b2xs4"]["p50_ratio"] < 1.05, classes  # the small shape is not slower
     assert not any(x.startswith("candidate is slower:") for x in rec["reasons"]), rec["reasons"]  # overall p50 is fine
 
