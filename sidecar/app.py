@@ -43,9 +43,6 @@ LOG = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-FAILED_TOKENS = web.AppKey("failed_tokens", "FailedTokens")
-
-
 class FailedTokens:
     """Wrong tokens per client address: past MAX_FAILURES within WINDOW_S, 429 until the window passes.
 
@@ -73,6 +70,9 @@ class FailedTokens:
         if peer not in self.failures and len(self.failures) >= self.MAX_PEERS:
             del self.failures[next(iter(self.failures))]
         self.failures.setdefault(peer, collections.deque(maxlen=self.MAX_FAILURES)).append(now)
+
+
+FAILED_TOKENS = web.AppKey("failed_tokens", FailedTokens)
 
 
 def _peer(request: web.Request) -> str:
