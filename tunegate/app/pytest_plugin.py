@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tunegate import models
 from tunegate.models import copy_repository
 from tunegate.triton import EmbeddedTriton, TritonOptions
 
@@ -42,7 +43,6 @@ def triton_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callabl
 
 @pytest.fixture(scope="session")
 def minilm_onnx_path() -> Path:
-    from tunegate import models
 
     return models.minilm_onnx()
 
@@ -54,9 +54,11 @@ def demo_repository(tmp_path: Path, minilm_onnx_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_triton(tmp_path_factory: pytest.TempPathFactory, minilm_onnx_path: Path) -> Iterator[EmbeddedTriton]:
-    """One read-only Triton serving demo v1 for the whole session (don't load or unload through it)."""
+    """One read-only Triton serving demo v1 for the whole test run (don't load or unload through it)."""
     repo = copy_repository(tmp_path_factory.mktemp("demo-repo"), ["minilm"], minilm_onnx_path)
-    server = EmbeddedTriton(TritonOptions(repository=repo, models=("minilm",)), workdir=tmp_path_factory.mktemp("t"))
+    server = EmbeddedTriton(
+        TritonOptions(repository=repo, models=("minilm",)), workdir=tmp_path_factory.mktemp("t")
+    )
     server.start()
     yield server
     server.stop()

@@ -15,9 +15,9 @@ from tunegate.console import CliError, err
 
 # Modules that add subcommands; each has `register(subparsers) -> None` and sets `func` on its parsers.
 COMMAND_MODULES = (
-    "tunegate.cmd_model",
-    "tunegate.cmd_triton",
-    "tunegate.cmd_demo",
+    "tunegate.app.cmd_model",
+    "tunegate.app.cmd_triton",
+    "tunegate.app.cmd_demo",
     "sidecar.cli",
     "tuner.cli",
     "loadtest.cli",
@@ -38,9 +38,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose value is a route expression, which starts with a dash (`-quant=int8-channel`): argparse would
+# take `--routes -quant=int8` for two options, so the value is joined to its option first.
+DASH_VALUED = ("--routes",)
+
+
+def _join_dash_values(argv: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg in DASH_VALUED:
+            value = next(it, None)
+            out.append(arg if value is None else f"{arg}={value}")
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_dash_values(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -30,21 +30,34 @@ import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tunegate import models
+from loadtest.runner import LoadOptions, LoadTestError
+from loadtest.runner import run as run_locust
+from loadtest.synth import SynthSpec, write_synthetic
+from sidecar.client import AdminClient, AdminError, SidecarProcess, write_token_file
+from tunegate import models, project
+from tunegate.app.canary_report import write_canary_report
+from tunegate.errors import ServiceError
 from tunegate.triton import EmbeddedTriton, TritonOptions
+from tuner.cache import CacheError
+from tuner.inputs import InputsError
+from tuner.routes import RouteError
+from tuner.search import TuneError, tune
+from tuner.spec import SpecError, TuneSpec, load_spec, parse_spec
 
-if TYPE_CHECKING:
-    from tuner.spec import TuneSpec
+SPECS = {"good": "minilm.toml", "bad": "minilm-loose.toml"}  # in the project's specs/ (tunegate.project)
+STRICT = "minilm.toml"
 
-ROOT = Path(__file__).resolve().parent.parent
-SPECS = {"good": ROOT / "specs" / "minilm.toml", "bad": ROOT / "specs" / "minilm-loose.toml"}
-STRICT_SPEC = ROOT / "specs" / "minilm.toml"
+
+def spec_path(name: str) -> Path:
+    return project.specs_dir() / name
+
+
 CAPTURE_MARGIN = 1.15  # live traffic sent before tuning, per captured request the gate uses
 
 
-class DemoError(RuntimeError):
+class DemoError(ServiceError):
     """A step of the demo failed; the message says which and where its logs are."""
 
 
@@ -54,7 +67,9 @@ class DemoOptions:
     run_dir: Path | None = None
     cache: Path | None = None
     tune_budget_s: float | None = None  # None: the spec's budget
-    capture_s: float = 120.0  # longest live replay before tuning; stops once the capture holds the gate's samples
+    capture_s: float = (
+        120.0  # longest live replay before tuning; stops once the capture holds the gate's samples
+    )
     load_s: float = 150.0  # longest Locust replay of the canary; stops early once the canary decides
     users: int = 6
     # Live traffic during the canary, requests per second: what the mirror keeps up with on two cores.
@@ -72,9 +87,17 @@ class DemoOptions:
     def __post_init__(self) -> None:
         if self.scenario not in SPECS:
             raise ValueError(f"scenario must be one of {', '.join(SPECS)}, got {self.scenario!r}")
-        if (self.users < 1 or self.load_s <= 0 or self.deadline_s <= 0 or self.min_samples < 1 or self.capture_s <= 0
-                or self.canary_rate <= 0):
-            raise ValueError("users, capture_s, load_s, canary_rate, deadline_s and min_samples must be positive")
+        if (
+            self.users < 1
+            or self.load_s <= 0
+            or self.deadline_s <= 0
+            or self.min_samples < 1
+            or self.capture_s <= 0
+            or self.canary_rate <= 0
+        ):
+            raise ValueError(
+                "users, capture_s, load_s, canary_rate, deadline_s and min_samples must be positive"
+            )
         if self.oot_budget is not None and not 0.0 < self.oot_budget < 1.0:
             raise ValueError(f"oot_budget must be within (0, 1), got {self.oot_budget}")
 
@@ -84,7 +107,7 @@ Step = Callable[[str], None]
 
 def _default_run_dir(scenario: str) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    return ROOT / ".tunegate" / "runs" / f"{stamp}-{scenario}"
+    return project.project_root() / ".tunegate" / "runs" / f"{stamp}-{scenario}"
 
 
 def captured_requests(directory: Path) -> int:
@@ -99,13 +122,19 @@ def captured_requests(directory: Path) -> int:
     return n
 
 
-def capture_spec(spec_path: Path, capture_dir: Path, repository: Path, source: Path, workdir: Path) -> TuneSpec:
+def capture_spec(
+    spec_path: Path, capture_dir: Path, repository: Path, source: Path, workdir: Path
+) -> TuneSpec:
     """The scenario's spec, tuning on the sidecar's capture (as a tuner next to production would)."""
-    from tuner.spec import parse_spec
 
     raw = tomllib.loads(spec_path.read_text())
     inputs = dict(raw.get("inputs", {}))
-    for key in ("shapes", "values", "seed", "edge_cases"):  # declared-distribution keys: the capture replaces them
+    for key in (
+        "shapes",
+        "values",
+        "seed",
+        "edge_cases",
+    ):  # declared-distribution keys: the capture replaces them
         inputs.pop(key, None)
     inputs.update(source="capture", capture=str(capture_dir))
     raw["inputs"] = inputs
@@ -120,15 +149,6 @@ def capture_spec(spec_path: Path, capture_dir: Path, repository: Path, source: P
 
 def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any]:
     """Run the loop; returns a JSON-able summary (decision, evidence, gate vs canary, timings, paths)."""
-    from loadtest.runner import LoadOptions, LoadTestError
-    from loadtest.runner import run as run_locust
-    from loadtest.synth import SynthSpec, write_synthetic
-    from sidecar.client import AdminClient, AdminError, SidecarProcess, write_token_file
-    from tuner.cache import CacheError
-    from tuner.inputs import InputsError
-    from tuner.routes import RouteError
-    from tuner.search import TuneError, tune
-    from tuner.spec import SpecError, load_spec
 
     t0 = time.monotonic()
     timings: dict[str, float] = {}
@@ -146,13 +166,13 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
     onnx = models.minilm_onnx(opts.cache)
     repo = run_dir / "model_repository"
     if not repo.exists():
-        models.copy_repository(repo, [models.MINILM], onnx)
+        models.copy_repository(repo, [models.MINILM], onnx, src=project.repository())
     t = mark("prepare", t0)
 
     capture_dir = run_dir / "capture"
     try:
-        strict = load_spec(STRICT_SPEC)
-        spec = capture_spec(SPECS[opts.scenario], capture_dir, repo, onnx, run_dir / "tune")
+        strict = load_spec(spec_path(STRICT))
+        spec = capture_spec(spec_path(SPECS[opts.scenario]), capture_dir, repo, onnx, run_dir / "tune")
     except SpecError as exc:
         raise DemoError(f"cannot load the demo's tuning spec: {exc}") from exc
     budget = opts.oot_budget if opts.oot_budget is not None else strict.gate.oot_budget
@@ -161,13 +181,19 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
     traffic = run_dir / "traffic"
     before = traffic / "live-before-tuning.jsonl"
     after = traffic / "live-canary.jsonl"
-    write_synthetic(before, SynthSpec(model=models.MINILM, requests=int(samples * CAPTURE_MARGIN) + 20, seed=0))
+    write_synthetic(
+        before, SynthSpec(model=models.MINILM, requests=int(samples * CAPTURE_MARGIN) + 20, seed=0)
+    )
     write_synthetic(after, SynthSpec(model=models.MINILM, requests=3000, seed=1))
     sidecar_cfg = run_dir / "sidecar.toml"
     # Every request is captured: the sidecar's default rate cap (50/s) would thin out a fast replay.
-    sidecar_cfg.write_text(f'capture_dir = "{capture_dir}"\ncapture_rate = 1.0\ncapture_max_per_second = 10000.0\n')
+    sidecar_cfg.write_text(
+        f'capture_dir = "{capture_dir}"\ncapture_rate = 1.0\ncapture_max_per_second = 10000.0\n'
+    )
 
-    triton = EmbeddedTriton(TritonOptions(repository=repo, models=(models.MINILM,)), workdir=run_dir / "triton")
+    triton = EmbeddedTriton(
+        TritonOptions(repository=repo, models=(models.MINILM,)), workdir=run_dir / "triton"
+    )
     step("starting the embedded Triton (the baseline, version 1, only)")
     triton.start()
     try:
@@ -175,7 +201,7 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
         token = secrets.token_urlsafe(24)
         token_file = write_token_file(run_dir / "admin.token", token)
         step("starting the sidecar in front of it (capture on, no canary)")
-        with SidecarProcess(upstream=triton.http_url, state_dir=run_dir / "sidecar", repository=repo,
+        with SidecarProcess(upstream=triton.http_url, upstream_grpc=triton.grpc_address, state_dir=run_dir / "sidecar", repository=repo,
                             token_file=token_file, extra_args=("--config", str(sidecar_cfg))) as sidecar:  # fmt: skip
             admin = AdminClient(sidecar.url, token)
             step(f"live traffic: Locust replays {before.name} through the sidecar until it has captured "
@@ -197,8 +223,10 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
                  f"{live.total.failures} failed, {live.total.rps:.0f} req/s)")  # fmt: skip
             t = mark("live_capture", t)
 
-            step(f"tuning {spec.model.name} on the capture ({spec.search.strategy} search, routes {spec.search.routes}; "
-                 f"gate: out-of-tolerance upper bound <= {100 * spec.gate.oot_budget:g}% over {samples} requests)")
+            step(
+                f"tuning {spec.model.name} on the capture ({spec.search.strategy} search, routes {spec.search.routes}; "
+                f"gate: out-of-tolerance upper bound <= {100 * spec.gate.oot_budget:g}% over {samples} requests)"
+            )
             try:
                 result = tune(spec, budget_s=opts.tune_budget_s, progress=opts.progress)
             except (TuneError, CacheError, InputsError, RouteError, SpecError) as exc:
@@ -207,9 +235,11 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
             for r in result.routes:
                 rate = (r.accuracy or {}).get("rate")
                 if rate:
-                    step(f"  gate {r.status:8s} {r.route}: {rate['k']}/{rate['n']} out of tolerance, upper bound "
-                         f"{100 * rate['upper']:.2f}% vs {100 * rate['budget']:g}%"
-                         + (f", {r.speedup:.2f}x" if r.speedup is not None else ""))
+                    step(
+                        f"  gate {r.status:8s} {r.route}: {rate['k']}/{rate['n']} out of tolerance, upper bound "
+                        f"{100 * rate['upper']:.2f}% vs {100 * rate['budget']:g}%"
+                        + (f", {r.speedup:.2f}x" if r.speedup is not None else "")
+                    )
             gate_rate = dict((result.winner.accuracy or {}).get("rate") or {}) if result.winner else {}
             summary: dict[str, Any] = {
                 "scenario": opts.scenario,
@@ -218,8 +248,15 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
                 "tune": {k: v for k, v in result.summary().items() if k not in ("routes", "e2e", "baseline")},
                 "tune_report": str(result.report_path),
                 "gate": gate_rate,
-                "gate_routes": [{"route": r.route, "status": r.status, "speedup": r.speedup,
-                                 "rate": (r.accuracy or {}).get("rate")} for r in result.routes],
+                "gate_routes": [
+                    {
+                        "route": r.route,
+                        "status": r.status,
+                        "speedup": r.speedup,
+                        "rate": (r.accuracy or {}).get("rate"),
+                    }
+                    for r in result.routes
+                ],
             }
             if result.version is None:
                 summary.update(decision=None, reason=f"no candidate: {result.reason}", seconds={**timings,
@@ -235,8 +272,10 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
             if opts.scenario == "bad":
                 # Production judges live traffic with the strict tolerance, whatever the tuner admitted.
                 params["tolerance"] = strict.tolerance.to_dict()
-            step(f"canary: {models.MINILM} v{result.version} against the live version, Locust replaying {after.name} "
-                 f"at {opts.canary_rate:g} req/s (out-of-tolerance budget {100 * budget:g}%)")
+            step(
+                f"canary: {models.MINILM} v{result.version} against the live version, Locust replaying {after.name} "
+                f"at {opts.canary_rate:g} req/s (out-of-tolerance budget {100 * budget:g}%)"
+            )
             try:
                 admin.start(models.MINILM, result.version, **params)
             except AdminError as exc:
@@ -297,17 +336,23 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
             candidate=result.version,
             live_version=status.get("live"),
             evidence=record.get("evidence", {}),
-            canary={"oot_budget": budget, "confidence": strict.gate.confidence,
-                    "tolerance": params.get("tolerance") or (result.release or {}).get("tolerance")},
+            canary={
+                "oot_budget": budget,
+                "confidence": strict.gate.confidence,
+                "tolerance": params.get("tolerance") or (result.release or {}).get("tolerance"),
+            },
             load=load.to_dict(),
             records=str(run_dir / "sidecar" / "decisions.jsonl"),
             timeline=timeline,
         )
-        from tunegate.canary_report import write_canary_report
 
-        summary["canary_report"] = str(write_canary_report(run_dir / "canary-report.html", summary, metrics_text))
+        summary["canary_report"] = str(
+            write_canary_report(run_dir / "canary-report.html", summary, metrics_text)
+        )
         summary["seconds"] = {**timings, "total": round(time.monotonic() - t0, 2)}
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+        (run_dir / "summary.json").write_text(
+            json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
+        )
         return summary
     finally:
         triton.stop()

@@ -17,15 +17,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     msub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
 
     prep = msub.add_parser(
-        "prepare", help="export all-MiniLM-L6-v2 to ONNX (cached) and install it as version 1 of the repository"
+        "prepare",
+        help="export all-MiniLM-L6-v2 to ONNX (cached) and install it as version 1 of the repository",
     )
     prep.add_argument("--repository", type=Path, default=Path("model_repository"))
-    prep.add_argument("--cache", type=Path, default=None, help="cache directory (default $TUNEGATE_CACHE or ~/.cache/tunegate)")
+    prep.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="cache directory (default $TUNEGATE_CACHE or ~/.cache/tunegate)",
+    )
     prep.add_argument("--force", action="store_true", help="re-export even if the cached ONNX exists")
     prep.add_argument("--json", action="store_true", help="machine-readable output")
     prep.set_defaults(func=cmd_prepare)
 
-    tiny = msub.add_parser("tiny", help="write the tiny synthetic model (no torch) as a new version of a repository")
+    tiny = msub.add_parser(
+        "tiny", help="write the tiny synthetic model (no torch) as a new version of a repository"
+    )
     tiny.add_argument("--repository", type=Path, required=True)
     tiny.add_argument("--name", default=models.TINY)
     tiny.add_argument("--json", action="store_true")

@@ -14,31 +14,56 @@ from typing import Any
 import numpy as np
 from rich.markup import escape
 
-from tunegate import models
+from tunegate import models, project
+from tunegate.app.demo import DemoError, DemoOptions, run_demo
 from tunegate.console import CliError, emit_json, err, out
 from tunegate.textdata import Tokenizer
 from tunegate.triton import EmbeddedTriton, TritonError, TritonOptions
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="the whole loop on the embedded Triton: live traffic -> capture -> tune -> "
-                                    "canary under load -> decision")
+    p = sub.add_parser(
+        "demo",
+        help="the whole loop on the embedded Triton: live traffic -> capture -> tune -> "
+        "canary under load -> decision",
+    )
     p.add_argument("--scenario", choices=["good", "bad"], default="good",
                    help="good: a faster route far within the out-of-tolerance budget (PROMOTE expected); "
                         "bad: a route admitted by a loose tuner spec, judged strictly live (PIN expected)")  # fmt: skip
-    p.add_argument("--run-dir", type=Path, default=None, help="work directory (default .tunegate/runs/<stamp>)")
-    p.add_argument("--cache", type=Path, default=None, help="model cache (default $TUNEGATE_CACHE or ~/.cache/tunegate)")
+    p.add_argument(
+        "--run-dir", type=Path, default=None, help="work directory (default .tunegate/runs/<stamp>)"
+    )
+    p.add_argument(
+        "--cache", type=Path, default=None, help="model cache (default $TUNEGATE_CACHE or ~/.cache/tunegate)"
+    )
     p.add_argument("--budget-s", type=float, default=None, help="tuning time budget (default: the spec's)")
-    p.add_argument("--capture-s", type=float, default=120.0,
-                   help="longest live replay before tuning; it stops once the capture holds the gate's requests")
-    p.add_argument("--load-s", type=float, default=150.0, help="longest canary load replay; it stops once the canary decides")
+    p.add_argument(
+        "--capture-s",
+        type=float,
+        default=120.0,
+        help="longest live replay before tuning; it stops once the capture holds the gate's requests",
+    )
+    p.add_argument(
+        "--load-s",
+        type=float,
+        default=150.0,
+        help="longest canary load replay; it stops once the canary decides",
+    )
     p.add_argument("--users", type=int, default=6, help="Locust users")
-    p.add_argument("--canary-rate", type=float, default=10.0,
-                   help="requests per second during the canary (a saturated mirror drops copies, biased to large ones)")
+    p.add_argument(
+        "--canary-rate",
+        type=float,
+        default=10.0,
+        help="requests per second during the canary (a saturated mirror drops copies, biased to large ones)",
+    )
     p.add_argument("--min-samples", type=int, default=300, help="comparisons before the judge may decide")
-    p.add_argument("--oot-budget", type=float, default=None,
-                   help="share of requests allowed outside the live tolerance, above the A/A noise floor "
-                        "(default: the strict spec's [gate].oot_budget, the gate's own budget)")
+    p.add_argument(
+        "--oot-budget",
+        type=float,
+        default=None,
+        help="share of requests allowed outside the live tolerance, above the A/A noise floor "
+        "(default: the strict spec's [gate].oot_budget, the gate's own budget)",
+    )
     p.add_argument("--deadline-s", type=float, default=140.0, help="canary deadline (no clear answer: pin)")
     p.add_argument("--quick", action="store_true", help="only serve the baseline and print one embedding")
     p.add_argument("--text", default="Triton serves the baseline while tunegate judges the candidate.")
@@ -49,7 +74,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.quick:
         return quick(args)
-    from tunegate.demo import DemoError, DemoOptions, run_demo
 
     try:
         opts = DemoOptions(
@@ -77,7 +101,9 @@ def _pct(v: Any) -> str:
 
 def _print_summary(s: dict[str, Any]) -> None:
     cap = s.get("capture", {})
-    out.print(f"[bold]capture[/]: {cap.get('requests')} live requests captured by the sidecar in {cap.get('dir')}")
+    out.print(
+        f"[bold]capture[/]: {cap.get('requests')} live requests captured by the sidecar in {cap.get('dir')}"
+    )
     tune = s.get("tune", {})
     out.print(f"[bold]tune[/]: winner {tune.get('winner')} (x{tune.get('speedup') or 0:.2f}) -> version "
               f"{tune.get('version')}; report {s.get('tune_report')}")  # fmt: skip
@@ -106,7 +132,9 @@ def _print_summary(s: dict[str, Any]) -> None:
         keys = [k for k in ("compared", "out_of_tolerance", "aa_compared", "aa_out_of_tolerance", "errors", "timeouts",
                             "p50_ratio", "p95_ratio") if k in ev]  # fmt: skip
         out.print("[bold]evidence[/]: " + ", ".join(f"{k} {ev[k]}" for k in keys))
-    out.print(f"[bold]time[/]: canary to decision {secs.get('canary_to_decision')} s, total {secs.get('total')} s")
+    out.print(
+        f"[bold]time[/]: canary to decision {secs.get('canary_to_decision')} s, total {secs.get('total')} s"
+    )
     out.print(f"[bold]files[/]: canary report {s.get('canary_report')}; decision records {s.get('records')}")
 
 
@@ -117,11 +145,11 @@ def quick(args: argparse.Namespace) -> int:
     with err.status("preparing the demo model (first run exports MiniLM to ONNX)"):
         try:
             onnx_path = models.minilm_onnx(args.cache)
-            models.install_baseline(models.PROJECT_REPOSITORY, onnx_path)
+            models.install_baseline(project.repository(), onnx_path)
         except models.ModelError as exc:
             raise CliError(str(exc)) from exc
     t_prepared = time.perf_counter()
-    server = EmbeddedTriton(TritonOptions(repository=models.PROJECT_REPOSITORY, models=(models.MINILM,)))
+    server = EmbeddedTriton(TritonOptions(repository=project.repository(), models=(models.MINILM,)))
     with err.status("starting the embedded Triton"):
         try:
             server.start()

@@ -46,7 +46,9 @@ def latency_histograms(metrics_text: str, model: str) -> dict[str, list[tuple[fl
     return out
 
 
-def oot_series(timeline: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float | None], list[float | None]]:
+def oot_series(
+    timeline: Sequence[Mapping[str, Any]],
+) -> tuple[list[float], list[float | None], list[float | None]]:
     ts, cand, aa = [], [], []
     for p in timeline:
         ts.append(float(p["t"]))
@@ -107,12 +109,16 @@ def _figures(summary: Mapping[str, Any], metrics_text: str) -> list[tuple[str, s
         ax.plot(ts, [a if a is not None else float("nan") for a in aa], label="noise floor (A/A rate)",
                 color=ROLE_COLORS["aa"], linestyle="--")  # fmt: skip
         if isinstance(budget, (int, float)):
-            ax.axhline(budget, color="#d62828", linestyle=":", label=f"budget {budget:g} (above the noise floor)")
+            ax.axhline(
+                budget, color="#d62828", linestyle=":", label=f"budget {budget:g} (above the noise floor)"
+            )
         figs.append(("Out-of-tolerance rate", _finish(plt, fig, ax, "seconds since the load started", "rate",
                                                       "out-of-tolerance rate over time")))  # fmt: skip
 
         fig, ax = plt.subplots(figsize=(7, 3.2))
-        ax.plot(ts, [p.get("compared") or 0 for p in timeline], label="comparisons", color=ROLE_COLORS["primary"])
+        ax.plot(
+            ts, [p.get("compared") or 0 for p in timeline], label="comparisons", color=ROLE_COLORS["primary"]
+        )
         ax.plot(ts, [p.get("errors") or 0 for p in timeline], label="candidate errors", color="#d62828")
         decided = next((p for p in timeline if p.get("state") in ("promoted", "pinned")), None)
         if decided is not None:
@@ -145,11 +151,16 @@ def gate_vs_canary(summary: Mapping[str, Any]) -> str:
         ("confidence", g.get("confidence"), canary.get("confidence")),
         ("verdict", "passed" if g.get("passed") else ("rejected" if g else "—"), summary.get("decision")),
     ]
-    body = "".join(f"<tr><td>{html.escape(str(name))}</td><td>{html.escape(str(a if a is not None else '—'))}</td>"
-                   f"<td>{html.escape(str(b if b is not None else '—'))}</td></tr>" for name, a, b in rows)
-    return ("<h2>Gate vs canary</h2><p>The same per-request tolerance and rate bound: the tuner's gate on the "
-            "captured requests, the canary on live ones.</p>"
-            f"<table><tr><td></td><td><b>gate (tuner)</b></td><td><b>canary (live)</b></td></tr>{body}</table>")
+    body = "".join(
+        f"<tr><td>{html.escape(str(name))}</td><td>{html.escape(str(a if a is not None else '—'))}</td>"
+        f"<td>{html.escape(str(b if b is not None else '—'))}</td></tr>"
+        for name, a, b in rows
+    )
+    return (
+        "<h2>Gate vs canary</h2><p>The same per-request tolerance and rate bound: the tuner's gate on the "
+        "captured requests, the canary on live ones.</p>"
+        f"<table><tr><td></td><td><b>gate (tuner)</b></td><td><b>canary (live)</b></td></tr>{body}</table>"
+    )
 
 
 def _num(v: Any, fmt: str) -> str:
@@ -163,19 +174,37 @@ def candidate_vs_baseline(summary: Mapping[str, Any]) -> str:
     lat, thr, mem = ev.get("latency") or {}, ev.get("throughput") or {}, ev.get("memory") or {}
     mib = 1 << 20
     rows = [
-        ("latency p50 (ms, paired)", _num(lat.get("candidate_p50_ms"), ".3f"), _num(lat.get("primary_p50_ms"), ".3f"),
-         _num(lat.get("p50_ratio"), ".3f")),
-        ("latency p95 (ms, paired)", _num(lat.get("candidate_p95_ms"), ".3f"), _num(lat.get("primary_p95_ms"), ".3f"),
-         _num(lat.get("p95_ratio"), ".3f")),
-        ("capacity (inferences/s, Triton compute time)", _num(thr.get("candidate_capacity_rps"), ".1f"),
-         _num(thr.get("baseline_capacity_rps"), ".1f"), _num(thr.get("ratio"), ".3f")),
-        ("memory (MiB)", _num((mem.get("candidate_bytes") or 0) / mib or None, ".1f"),
-         _num((mem.get("baseline_bytes") or 0) / mib or None, ".1f"), _num(mem.get("ratio"), ".3f")),
+        (
+            "latency p50 (ms, paired)",
+            _num(lat.get("candidate_p50_ms"), ".3f"),
+            _num(lat.get("primary_p50_ms"), ".3f"),
+            _num(lat.get("p50_ratio"), ".3f"),
+        ),
+        (
+            "latency p95 (ms, paired)",
+            _num(lat.get("candidate_p95_ms"), ".3f"),
+            _num(lat.get("primary_p95_ms"), ".3f"),
+            _num(lat.get("p95_ratio"), ".3f"),
+        ),
+        (
+            "capacity (inferences/s, Triton compute time)",
+            _num(thr.get("candidate_capacity_rps"), ".1f"),
+            _num(thr.get("baseline_capacity_rps"), ".1f"),
+            _num(thr.get("ratio"), ".3f"),
+        ),
+        (
+            "memory (MiB)",
+            _num((mem.get("candidate_bytes") or 0) / mib or None, ".1f"),
+            _num((mem.get("baseline_bytes") or 0) / mib or None, ".1f"),
+            _num(mem.get("ratio"), ".3f"),
+        ),
         ("error rate", _pct(ev.get("error_rate")), _pct(ev.get("baseline_error_rate")), ""),
     ]
     for cls, c in sorted((ev.get("classes") or {}).items()):
         if isinstance(c, Mapping) and "p50_ratio" in c:
-            rows.append((f"class {cls}: p50 ratio over {c.get('pairs')} pairs", "", "", _num(c["p50_ratio"], ".3f")))
+            rows.append(
+                (f"class {cls}: p50 ratio over {c.get('pairs')} pairs", "", "", _num(c["p50_ratio"], ".3f"))
+            )
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in r) + "</tr>" for r in rows)
     return ("<h2>Candidate against baseline</h2>"
             "<table><tr><td></td><td><b>candidate</b></td><td><b>baseline</b></td><td><b>ratio</b></td></tr>"
@@ -193,18 +222,18 @@ def write_canary_report(path: Path, summary: Mapping[str, Any], metrics_text: st
     )
     imgs = "".join(f"<h2>{html.escape(t)}</h2><img src='data:image/png;base64,{b}'>" for t, b in figs)
     doc = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>tunegate canary: {html.escape(str(summary.get('decision')))}</title>
+<html><head><meta charset="utf-8"><title>tunegate canary: {html.escape(str(summary.get("decision")))}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td{{border:1px solid #ccc;padding:3px 8px;font-size:13px}}</style>
 </head><body>
-<h1>tunegate canary — decision: {html.escape(str(summary.get('decision')).upper())}</h1>
-<p>scenario <b>{html.escape(str(summary.get('scenario')))}</b>, candidate version {html.escape(str(summary.get('candidate')))},
-live version now {html.escape(str(summary.get('live_version')))}, decided by {html.escape(str(summary.get('decided_by')))}</p>
+<h1>tunegate canary — decision: {html.escape(str(summary.get("decision")).upper())}</h1>
+<p>scenario <b>{html.escape(str(summary.get("scenario")))}</b>, candidate version {html.escape(str(summary.get("candidate")))},
+live version now {html.escape(str(summary.get("live_version")))}, decided by {html.escape(str(summary.get("decided_by")))}</p>
 <ul>{reasons}</ul>
 {gate_vs_canary(summary)}
 {candidate_vs_baseline(summary)}
 {imgs}
 <h2>Evidence</h2><table>{ev_rows}</table>
-<p>decision records: <code>{html.escape(str(summary.get('records')))}</code></p>
+<p>decision records: <code>{html.escape(str(summary.get("records")))}</code></p>
 </body></html>
 """
     atomic_write_text(path, doc)
