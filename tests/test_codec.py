@@ -43,7 +43,15 @@ def test_numeric_round_trip(datatype: str, binary: bool, data: st.DataObject) ->
 
 @pytest.mark.parametrize("binary", [True, False])
 @settings(max_examples=40, deadline=None)
-@given(arr=hnp.arrays(np.float32, shapes, elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=False).filter(lambda v: v == 0 or abs(v) > 1e-30)))
+@given(
+    arr=hnp.arrays(
+        np.float32,
+        shapes,
+        elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=False).filter(
+            lambda v: v == 0 or abs(v) > 1e-30
+        ),
+    )
+)
 def test_bf16_round_trip_truncates_like_triton(binary: bool, arr: np.ndarray) -> None:
     body, hl = codec.encode([codec.Tensor("t", "BF16", arr)], binary=binary)
     got = codec.decode_request(body, hl).tensors["t"]
@@ -108,15 +116,37 @@ def test_tritonclient_decodes_what_we_encode() -> None:
         (b"{}", None, "no 'inputs'"),
         (b'{"inputs": {}}', None, "must be a list"),
         (b'{"inputs": [{"datatype": "FP32", "shape": [1], "data": [1]}]}', None, "'name'"),
-        (b'{"inputs": [{"name": "x", "datatype": "FP99", "shape": [1], "data": [1]}]}', None, "unknown datatype"),
-        (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1]}]}', None, "needs 2 elements"),
+        (
+            b'{"inputs": [{"name": "x", "datatype": "FP99", "shape": [1], "data": [1]}]}',
+            None,
+            "unknown datatype",
+        ),
+        (
+            b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1]}]}',
+            None,
+            "needs 2 elements",
+        ),
         (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1], "data": [1]}]}', None, "negative"),
-        (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": "1", "data": [1]}]}', None, "list of integers"),
+        (
+            b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": "1", "data": [1]}]}',
+            None,
+            "list of integers",
+        ),
         (b'{"inputs": [{"name": "x", "datatype": "INT32", "shape": [1], "data": ["a"]}]}', None, "integers"),
-        (b'{"inputs": [{"name": "x", "datatype": "INT8", "shape": [1], "data": [300]}]}', None, "does not fit"),
+        (
+            b'{"inputs": [{"name": "x", "datatype": "INT8", "shape": [1], "data": [300]}]}',
+            None,
+            "does not fit",
+        ),
         (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}]}', None, "neither 'data'"),
-        (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]},'
-         b'{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]}', None, "twice"),
+        (
+            (
+                b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]},'
+                b'{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]}'
+            ),
+            None,
+            "twice",
+        ),
         (b'{"inputs": []}', 99, "body has"),
     ],
 )
@@ -126,7 +156,9 @@ def test_malformed_requests_give_clear_errors(body: bytes, hl: int | None, match
 
 
 def test_binary_size_mismatches_are_errors() -> None:
-    header = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 8}}]}
+    header = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 8}}]
+    }
     js = json.dumps(header).encode()
     with pytest.raises(codec.CodecError, match="runs past the end"):
         codec.decode_request(js + b"\0" * 4, len(js))
@@ -153,8 +185,16 @@ def test_garbage_only_ever_raises_codec_error(body: bytes, hl: int | None) -> No
 @given(
     doc=st.recursive(
         st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
-        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(
-            ["inputs", "name", "datatype", "shape", "data", "parameters", "binary_data_size"]), c, max_size=4),
+        lambda c: (
+            st.lists(c, max_size=3)
+            | st.dictionaries(
+                st.sampled_from(
+                    ["inputs", "name", "datatype", "shape", "data", "parameters", "binary_data_size"]
+                ),
+                c,
+                max_size=4,
+            )
+        ),
         max_leaves=12,
     )
 )

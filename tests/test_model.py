@@ -31,7 +31,9 @@ def infer(server: EmbeddedTriton, model: str, feeds: dict[str, np.ndarray], outp
         client.close()
 
 
-def test_demo_output_through_triton_matches_onnxruntime(demo_triton: EmbeddedTriton, minilm_onnx_path: Path) -> None:
+def test_demo_output_through_triton_matches_onnxruntime(
+    demo_triton: EmbeddedTriton, minilm_onnx_path: Path
+) -> None:
     feeds = Tokenizer()(list(sentences()[:16]))
     got = infer(demo_triton, "minilm", feeds, "embedding")
     ref = ort.InferenceSession(str(minilm_onnx_path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
@@ -41,7 +43,7 @@ def test_demo_output_through_triton_matches_onnxruntime(demo_triton: EmbeddedTri
 
 
 def test_tiny_model_serves(tmp_path: Path, triton_factory) -> None:  # type: ignore[no-untyped-def]
-    from tunegate.cli import main
+    from tunegate.app.cli import main
 
     assert main(["model", "tiny", "--repository", str(tmp_path)]) == 0
     server = triton_factory(tmp_path, models=["tiny"])

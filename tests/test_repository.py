@@ -78,7 +78,9 @@ def test_config_pbtxt_and_policy_rewrite(tmp_path: Path) -> None:
 def test_native_forms(tmp_path: Path) -> None:
     art = tmp_path / "m.onnx"
     models.build_tiny(art)
-    cfg = ModelConfig("t", (TensorSpec("x", "FP32", (-1, 16)),), (TensorSpec("y", "FP32", (-1, 8)),), form="onnxruntime")
+    cfg = ModelConfig(
+        "t", (TensorSpec("x", "FP32", (-1, 16)),), (TensorSpec("y", "FP32", (-1, 8)),), form="onnxruntime"
+    )
     path = write_native(tmp_path / "repo", cfg, art)
     assert 'backend: "onnxruntime"' in path.read_text() and (tmp_path / "repo/t/1/model.onnx").exists()
     trt = ModelConfig("p", cfg.inputs, cfg.outputs, form="tensorrt")

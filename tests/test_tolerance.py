@@ -14,7 +14,14 @@ def spec(**kw: object) -> ToleranceSpec:
 
 def test_identical_outputs_pass_every_metric() -> None:
     y = np.random.default_rng(0).standard_normal((4, 10)).astype(np.float32)
-    for metric, thr in (("l0", 0.0), ("l1", 0.0), ("l2", 0.0), ("linf", 0.0), ("cosine", 1 - 1e-12), ("topk", 1.0)):
+    for metric, thr in (
+        ("l0", 0.0),
+        ("l1", 0.0),
+        ("l2", 0.0),
+        ("linf", 0.0),
+        ("cosine", 1 - 1e-12),
+        ("topk", 1.0),
+    ):
         v = compare({"y": y}, {"y": y.copy()}, spec(metric=metric, threshold=thr))
         assert v.passed, (metric, v.summary())
 
@@ -74,8 +81,12 @@ def test_compare_many_pools_samples_and_reports_worst_across_batches() -> None:
 
 
 def test_wildcard_and_per_output() -> None:
-    s = ToleranceSpec.from_dict({"*": {"metric": "linf", "threshold": 0.1}, "z": {"metric": "l1", "threshold": 5}})
-    v = compare({"y": np.zeros((1, 2)), "z": np.zeros((1, 2))}, {"y": np.ones((1, 2)), "z": np.ones((1, 2))}, s)
+    s = ToleranceSpec.from_dict(
+        {"*": {"metric": "linf", "threshold": 0.1}, "z": {"metric": "l1", "threshold": 5}}
+    )
+    v = compare(
+        {"y": np.zeros((1, 2)), "z": np.zeros((1, 2))}, {"y": np.ones((1, 2)), "z": np.ones((1, 2))}, s
+    )
     assert not v.outputs["y"].passed and v.outputs["z"].passed
     assert ToleranceSpec.from_dict(s.to_dict()) == s
 

@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from tunegate import codec
+from tunegate.errors import InputError
+from tunegate.records import atomic_write_text
 
 FORMAT_VERSION = 1
 
 
-class CaptureError(ValueError):
+class CaptureError(InputError):
     """A capture file that cannot be read; the message names the file and line."""
 
 
@@ -79,7 +81,9 @@ def _parse(line: str, where: str) -> CaptureRecord:
     if not isinstance(raw, dict):
         raise CaptureError(f"{where}: a capture line must be a JSON object")
     if raw.get("v") != FORMAT_VERSION:
-        raise CaptureError(f"{where}: unsupported capture format version {raw.get('v')!r} (expected {FORMAT_VERSION})")
+        raise CaptureError(
+            f"{where}: unsupported capture format version {raw.get('v')!r} (expected {FORMAT_VERSION})"
+        )
     for key, typ in (("ts", (int, float)), ("model", str), ("body_b64", str)):
         if not isinstance(raw.get(key), typ):
             raise CaptureError(f"{where}: field {key!r} is missing or has the wrong type")
@@ -218,6 +222,7 @@ class CaptureWriter:
 
 def write_capture_file(path: Path, records: list[CaptureRecord]) -> None:
     """Write a whole capture file atomically (generators, tests); live capture uses CaptureWriter."""
-    from tunegate.records import atomic_write_text
 
-    atomic_write_text(Path(path), "".join(json.dumps(r.to_json(), separators=(",", ":")) + "\n" for r in records))
+    atomic_write_text(
+        Path(path), "".join(json.dumps(r.to_json(), separators=(",", ":")) + "\n" for r in records)
+    )

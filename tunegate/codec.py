@@ -15,8 +15,16 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import orjson
-from tritonclient.utils import deserialize_bytes_tensor, np_to_triton_dtype, serialize_byte_tensor, triton_to_np_dtype
+from tritonclient.utils import (
+    deserialize_bytes_tensor,
+    np_to_triton_dtype,
+    serialize_byte_tensor,
+    triton_to_np_dtype,
+)
+
+from tunegate.errors import InputError
 
 HEADER = "Inference-Header-Content-Length"
 
@@ -30,7 +38,7 @@ _ITEMSIZE = {
 }  # fmt: skip
 
 
-class CodecError(ValueError):
+class CodecError(InputError):
     """A request or response body that does not follow the KServe v2 protocol."""
 
 
@@ -38,7 +46,7 @@ class CodecError(ValueError):
 class Tensor:
     name: str
     datatype: str
-    array: np.ndarray
+    array: npt.NDArray[Any]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -57,11 +65,11 @@ class InferMessage:
         v = self.header.get("id")
         return str(v) if v is not None else None
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def arrays(self) -> dict[str, npt.NDArray[Any]]:
         return {k: t.array for k, t in self.tensors.items()}
 
 
-def datatype_of(array: np.ndarray) -> str:
+def datatype_of(array: npt.NDArray[Any]) -> str:
     if array.dtype == np.object_ or array.dtype.kind in "SU":
         return "BYTES"
     dt = np_to_triton_dtype(array.dtype)
@@ -120,10 +128,12 @@ def _flatten(data: Any) -> tuple[list[Any], set[type]]:
     return out, set(map(type, out))
 
 
-def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> npt.NDArray[Any]:
     flat, types = _flatten(data)
     if len(flat) != _count(shape):
-        raise CodecError(f"{where}: shape {list(shape)} needs {_count(shape)} elements, 'data' has {len(flat)}")
+        raise CodecError(
+            f"{where}: shape {list(shape)} needs {_count(shape)} elements, 'data' has {len(flat)}"
+        )
     if datatype == "BYTES":
         items = []
         for v in flat:
@@ -156,20 +166,20 @@ def _from_json_data(data: Any, datatype: str, shape: tuple[int, ...], where: str
 
 # BF16 is done in numpy rather than with tritonclient's serialize_bf16_tensor, which packs one
 # element at a time in Python; the bits are the same (the high half of the float32, truncated).
-def _bf16_bytes(arr: np.ndarray) -> bytes:
+def _bf16_bytes(arr: npt.NDArray[Any]) -> bytes:
     bits = np.ascontiguousarray(arr, dtype="<f4").view("<u4") >> 16
     return bits.astype("<u2").tobytes()
 
 
-def _bf16_array(raw: bytes) -> np.ndarray:
+def _bf16_array(raw: bytes) -> npt.NDArray[np.float32]:
     return (np.frombuffer(raw, dtype="<u2").astype("<u4") << 16).view("<f4").astype(np.float32)
 
 
-def _round_bf16(arr: np.ndarray) -> np.ndarray:
+def _round_bf16(arr: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
     return _bf16_array(_bf16_bytes(arr)).reshape(arr.shape)
 
 
-def _from_bytes(raw: bytes, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+def _from_bytes(raw: bytes, datatype: str, shape: tuple[int, ...], where: str) -> npt.NDArray[Any]:
     n = _count(shape)
     if datatype == "BYTES":
         try:
@@ -187,7 +197,7 @@ def _from_bytes(raw: bytes, datatype: str, shape: tuple[int, ...], where: str) -
     return np.frombuffer(raw, dtype=_np_dtype(datatype)).reshape(shape).copy()
 
 
-def _to_bytes(array: np.ndarray, datatype: str) -> bytes:
+def _to_bytes(array: npt.NDArray[Any], datatype: str) -> bytes:
     if datatype == "BYTES":
         if array.size == 0:
             return b""
@@ -198,7 +208,7 @@ def _to_bytes(array: np.ndarray, datatype: str) -> bytes:
     return np.ascontiguousarray(array, dtype=_np_dtype(datatype)).tobytes()
 
 
-def _to_json_data(array: np.ndarray, datatype: str) -> list[Any]:
+def _to_json_data(array: npt.NDArray[Any], datatype: str) -> list[Any]:
     if datatype == "BYTES":
         out = []
         for v in array.reshape(-1):
@@ -350,17 +360,19 @@ def decode_response(body: bytes, header_length: int | None = None) -> InferMessa
     return decode(body, header_length, "outputs")
 
 
-def _as_tensors(tensors: Mapping[str, np.ndarray | Tensor] | Iterable[Tensor]) -> list[Tensor]:
+def _as_tensors(tensors: Mapping[str, npt.NDArray[Any] | Tensor] | Iterable[Tensor]) -> list[Tensor]:
     if isinstance(tensors, Mapping):
         out = []
         for name, v in tensors.items():
-            out.append(v if isinstance(v, Tensor) else Tensor(name, datatype_of(np.asarray(v)), np.asarray(v)))
+            out.append(
+                v if isinstance(v, Tensor) else Tensor(name, datatype_of(np.asarray(v)), np.asarray(v))
+            )
         return out
     return list(tensors)
 
 
 def encode(
-    tensors: Mapping[str, np.ndarray | Tensor] | Iterable[Tensor],
+    tensors: Mapping[str, npt.NDArray[Any] | Tensor] | Iterable[Tensor],
     *,
     key: str = "inputs",
     binary: bool = True,
@@ -390,7 +402,7 @@ def encode(
 
 
 def encode_request(
-    inputs: Mapping[str, np.ndarray | Tensor] | Iterable[Tensor],
+    inputs: Mapping[str, npt.NDArray[Any] | Tensor] | Iterable[Tensor],
     *,
     binary: bool = True,
     outputs: Iterable[str] = (),
@@ -410,7 +422,7 @@ def encode_request(
 
 
 def encode_response(
-    outputs: Mapping[str, np.ndarray | Tensor] | Iterable[Tensor],
+    outputs: Mapping[str, npt.NDArray[Any] | Tensor] | Iterable[Tensor],
     *,
     model_name: str,
     model_version: str = "1",

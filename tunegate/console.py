@@ -8,6 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
+from tunegate.errors import TunegateError
+
 err = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
 
@@ -17,7 +19,7 @@ def emit_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
-class CliError(Exception):
+class CliError(TunegateError):
     """A user-facing error: printed without a traceback, exit code `code`."""
 
     def __init__(self, message: str, code: int = 2) -> None:

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from tunegate.errors import ServiceError
 from tunegate.records import atomic_copy, fsync_dir
-from tunegate.repository import ModelConfig, TensorSpec
+from tunegate.repository import ModelConfig, TensorSpec, sha256_file
 
 LOG = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ TINY = "tiny"
 MINILM_DIM = 384
 
 
-class ModelError(RuntimeError):
+class ModelError(ServiceError):
     """The demo model cannot be found, exported or prepared."""
 
 
@@ -206,11 +207,9 @@ def install_baseline(repository: Path, onnx_path: Path, model: str = MINILM) -> 
     dest = Path(repository) / model / "1" / "model.onnx"
     if not (dest.parent / "model.py").exists():
         raise ModelError(f"{dest.parent} has no model.py: is {repository} a tunegate model repository?")
-    if dest.exists() and dest.stat().st_size == onnx_path.stat().st_size:
-        from tunegate.repository import sha256_file
-
-        if sha256_file(dest) == sha256_file(onnx_path):
-            return dest
+    same_size = dest.exists() and dest.stat().st_size == onnx_path.stat().st_size
+    if same_size and sha256_file(dest) == sha256_file(onnx_path):
+        return dest
     atomic_copy(onnx_path, dest)
     return dest
 
@@ -225,7 +224,9 @@ def copy_repository(
     for model_dir in sorted(Path(src).iterdir()):
         if not model_dir.is_dir() or (models_ is not None and model_dir.name not in models_):
             continue
-        shutil.copytree(model_dir, dest / model_dir.name, ignore=shutil.ignore_patterns("*.onnx", "__pycache__"))
+        shutil.copytree(
+            model_dir, dest / model_dir.name, ignore=shutil.ignore_patterns("*.onnx", "__pycache__")
+        )
         if onnx is not None and (dest / model_dir.name / "1" / "model.py").exists():
             os.symlink(Path(onnx).resolve(), dest / model_dir.name / "1" / "model.onnx")
     return dest

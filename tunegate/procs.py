@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
+import os
 import signal
 import sys
+
+LOG = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 # Resolved once here, so that the child (forked from a process that may run threads) makes one foreign call
@@ -26,3 +30,17 @@ def die_with_parent() -> None:
     """In the child, before exec: SIGKILL when the parent dies (Linux)."""
     if _PRCTL is not None:
         _PRCTL(*_ARGS)
+
+
+# Test seam, used only by the crash tests: a process SIGKILLs itself at a named point of its work when the
+# environment variable names that point. The tuner's points: "search" (a route's result is in the cache),
+# "serving" (the finalists' tritonserver is up), "writing" (a version's staging directory is full, not yet
+# renamed), "written" (the version is in place, its cache line not yet written).
+TUNE_KILL_AT_ENV = "TUNEGATE_TEST_TUNE_KILL_AT"
+
+
+def kill_point(env: str, point: str) -> None:
+    """SIGKILL this process if `env` names `point` (crash tests only; a no-op otherwise)."""
+    if os.environ.get(env) == point:
+        LOG.warning("%s=%s: killing this process (crash test)", env, point)
+        os.kill(os.getpid(), signal.SIGKILL)

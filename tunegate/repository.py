@@ -20,6 +20,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tunegate import pbtxt
+from tunegate.errors import ServiceError
+from tunegate.procs import TUNE_KILL_AT_ENV, kill_point
 from tunegate.records import atomic_write_text, fsync_dir
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -40,7 +43,7 @@ DEFAULT_RUNTIME: dict[str, Any] = {
 }
 
 
-class RepositoryError(RuntimeError):
+class RepositoryError(ServiceError):
     """The model repository is not in the shape the writer needs."""
 
 
@@ -99,7 +102,8 @@ class ModelConfig:
             "name": self.name,
             "max_batch_size": self.max_batch_size,
             "input": [
-                {"name": t.name, "data_type": f"TYPE_{_pb_type(t.datatype)}", "dims": list(t.dims)} for t in self.inputs
+                {"name": t.name, "data_type": f"TYPE_{_pb_type(t.datatype)}", "dims": list(t.dims)}
+                for t in self.inputs
             ],
             "output": [
                 {"name": t.name, "data_type": f"TYPE_{_pb_type(t.datatype)}", "dims": list(t.dims)}
@@ -186,9 +190,13 @@ def write_version(
             else:
                 dest.write_text(src)
         if release is not None:
-            (staging / "release.json").write_text(json.dumps(release, indent=2, sort_keys=True, default=str) + "\n")
+            (staging / "release.json").write_text(
+                json.dumps(release, indent=2, sort_keys=True, default=str) + "\n"
+            )
         os.chmod(staging, 0o755)
         _fsync_tree(staging)
+        if release is not None:  # a release's write (the tuner's e2e serving copies have no release.json)
+            kill_point(TUNE_KILL_AT_ENV, "writing")
         for _ in range(100):
             n = version if version is not None else next_version(model_dir)
             target = model_dir / str(n)
@@ -207,7 +215,9 @@ def write_version(
         raise
 
 
-def onnx_version_files(onnx_path: Path, runtime: Mapping[str, Any] | None = None) -> dict[str, Path | bytes | str]:
+def onnx_version_files(
+    onnx_path: Path, runtime: Mapping[str, Any] | None = None
+) -> dict[str, Path | bytes | str]:
     """Files of a python-onnx version: the model, its runtime options and the python backend model."""
     rt = dict(DEFAULT_RUNTIME if runtime is None else runtime)
     return {
@@ -242,22 +252,11 @@ def write_native(
 
 
 def parse_version_policy(config_text: str) -> tuple[int, ...] | None:
-    """The `specific` versions in a config.pbtxt, or None when it has no specific policy."""
-    import re
-
-    m = re.search(r"version_policy\s*:?\s*\{\s*specific\s*:?\s*\{\s*versions\s*:\s*\[([^\]]*)\]", config_text)
-    if not m:
-        return None
-    return tuple(int(x) for x in m.group(1).replace(",", " ").split())
+    """The `specific` versions in a config.pbtxt, or None when it has no specific policy (read by Triton's
+    protobuf: tunegate.pbtxt). A config the protobuf cannot parse raises ConfigTextError (a ValueError)."""
+    return pbtxt.specific_versions(config_text)
 
 
 def set_version_policy(config_text: str, versions_: Sequence[int]) -> str:
     """Rewrite (or add) `version_policy: { specific: { versions: [...] } }` in config.pbtxt text."""
-    import re
-
-    vs = ", ".join(str(v) for v in versions_)
-    policy = f"version_policy: {{ specific: {{ versions: [ {vs} ] }} }}"
-    pattern = r"version_policy\s*:?\s*\{(?:[^{}]|\{[^{}]*\})*\}"
-    if re.search(pattern, config_text):
-        return re.sub(pattern, policy, config_text, count=1)
-    return config_text.rstrip("\n") + "\n" + policy + "\n"
+    return pbtxt.with_version_policy(config_text, versions_)

@@ -15,6 +15,9 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
+
+from tunegate.models import minilm_source_dir
 
 _MODULES = (
     "argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses",
@@ -43,7 +46,7 @@ def _collect() -> tuple[str, ...]:
     for name in _MODULES:
         try:
             mod = importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - an optional stdlib module missing on this build
+        except Exception:  # noqa: BLE001, S112 - an optional stdlib module missing on this build
             continue
         docs = [inspect.getdoc(mod) or ""]
         for attr in sorted(dir(mod)):
@@ -69,15 +72,13 @@ class Tokenizer:
         from tokenizers import Tokenizer as _Tok
 
         if tokenizer_json is None:
-            from tunegate.models import minilm_source_dir
-
             tokenizer_json = minilm_source_dir() / "tokenizer.json"
         self._tok = _Tok.from_file(str(tokenizer_json))
         self._tok.enable_truncation(max_length=max_length)
         self._tok.no_padding()  # tokenizer.json pads to 128; we pad each batch to its longest member
         self.max_length = max_length
 
-    def __call__(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
+    def __call__(self, texts: list[str], pad_to: int | None = None) -> dict[str, npt.NDArray[np.int64]]:
         """Tokenise a batch, padded to its longest member (or to `pad_to`)."""
         enc = self._tok.encode_batch(texts)
         longest = max(len(e.ids) for e in enc)
@@ -91,7 +92,9 @@ class Tokenizer:
         return {"input_ids": ids, "attention_mask": mask}
 
 
-def sample_batch(tok: Tokenizer, batch: int, rng: np.random.Generator, pad_to: int | None = None) -> dict[str, np.ndarray]:
+def sample_batch(
+    tok: Tokenizer, batch: int, rng: np.random.Generator, pad_to: int | None = None
+) -> dict[str, npt.NDArray[np.int64]]:
     pool = sentences()
     idx = rng.choice(len(pool), size=batch, replace=len(pool) < batch)
     return tok([pool[i] for i in idx], pad_to=pad_to)

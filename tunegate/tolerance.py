@@ -24,13 +24,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+
+from tunegate.errors import InputError
 
 METRICS = ("l0", "l1", "l2", "linf", "cosine", "topk")
 STATISTICS = ("max", "mean", "quantile")
 HIGHER_IS_BETTER = frozenset({"cosine", "topk"})
 
 
-class ToleranceError(ValueError):
+class ToleranceError(InputError):
     """A tolerance spec that cannot be used."""
 
 
@@ -52,7 +55,9 @@ class Tolerance:
         if self.metric not in METRICS:
             raise ToleranceError(f"{where}: metric {self.metric!r} is not one of {', '.join(METRICS)}")
         if self.statistic not in STATISTICS:
-            raise ToleranceError(f"{where}: statistic {self.statistic!r} is not one of {', '.join(STATISTICS)}")
+            raise ToleranceError(
+                f"{where}: statistic {self.statistic!r} is not one of {', '.join(STATISTICS)}"
+            )
         if not math.isfinite(self.threshold):
             raise ToleranceError(f"{where}: threshold must be a finite number")
         if not 0.0 < self.quantile < 1.0:
@@ -129,7 +134,7 @@ class ToleranceSpec:
         return cls(tuple(tols))
 
 
-def _as_samples(a: np.ndarray) -> np.ndarray:
+def _as_samples(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
     a = np.asarray(a)
     if a.ndim == 0:
         return a.reshape(1, 1)
@@ -138,7 +143,7 @@ def _as_samples(a: np.ndarray) -> np.ndarray:
     return a.reshape(a.shape[0], math.prod(a.shape[1:]))  # not -1: a (0, n) tensor has no size to infer from
 
 
-def sample_values(tol: Tolerance, ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+def sample_values(tol: Tolerance, ref: npt.NDArray[Any], cand: npt.NDArray[Any]) -> npt.NDArray[np.float64]:
     """Per-sample metric values (float64, one per row along axis 0)."""
     r = _as_samples(ref).astype(np.float64)
     c = _as_samples(cand).astype(np.float64)
@@ -177,7 +182,7 @@ def sample_values(tol: Tolerance, ref: np.ndarray, cand: np.ndarray) -> np.ndarr
     return np.asarray(hits.reshape(hits.shape[0], math.prod(hits.shape[1:])).mean(axis=1))
 
 
-def aggregate(tol: Tolerance, values: np.ndarray) -> tuple[float, int]:
+def aggregate(tol: Tolerance, values: npt.NDArray[np.float64]) -> tuple[float, int]:
     """Statistic over per-sample values and the index of the worst sample."""
     v = np.asarray(values, dtype=np.float64)
     if v.size == 0:
@@ -239,7 +244,7 @@ class Verdict:
         return {"passed": self.passed, "outputs": {k: v.to_dict() for k, v in self.outputs.items()}}
 
 
-def _structural_failure(name: str, ref: np.ndarray | None, cand: np.ndarray | None) -> str | None:
+def _structural_failure(name: str, ref: npt.NDArray[Any] | None, cand: npt.NDArray[Any] | None) -> str | None:
     if cand is None:
         return f"{name}: missing from the candidate's outputs"
     if ref is None:
@@ -257,7 +262,9 @@ def _structural_failure(name: str, ref: np.ndarray | None, cand: np.ndarray | No
     return None
 
 
-def _verdict_for(name: str, tol: Tolerance | None, values: np.ndarray, structural: str | None) -> OutputVerdict:
+def _verdict_for(
+    name: str, tol: Tolerance | None, values: npt.NDArray[np.float64], structural: str | None
+) -> OutputVerdict:
     if structural is not None:
         bad = 0.0 if tol is None or tol.higher_is_better else math.inf
         return OutputVerdict(name, tol, False, bad, -1, tuple(float(x) for x in values), structural)
@@ -273,10 +280,12 @@ def _verdict_for(name: str, tol: Tolerance | None, values: np.ndarray, structura
     return OutputVerdict(name, tol, ok, stat, worst, tuple(float(x) for x in values), reason)
 
 
-COSINE_CERTAIN = 1.0 - 1e-6  # below this threshold, identical finite (non-FP64) samples pass cosine despite rounding
+COSINE_CERTAIN = (
+    1.0 - 1e-6
+)  # below this threshold, identical finite (non-FP64) samples pass cosine despite rounding
 
 
-def identical_passes(spec: ToleranceSpec, arrays: Mapping[str, np.ndarray]) -> bool:
+def identical_passes(spec: ToleranceSpec, arrays: Mapping[str, npt.NDArray[Any]]) -> bool:
     """True when `compare(arrays, arrays, spec)` is certain to pass, decided without computing any metric.
 
     For identical finite, non-empty numeric tensors every lower-is-better metric is exactly 0 and topk is
@@ -304,13 +313,17 @@ def identical_passes(spec: ToleranceSpec, arrays: Mapping[str, np.ndarray]) -> b
     return True
 
 
-def compare(ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray], spec: ToleranceSpec) -> Verdict:
+def compare(
+    ref: Mapping[str, npt.NDArray[Any]], cand: Mapping[str, npt.NDArray[Any]], spec: ToleranceSpec
+) -> Verdict:
     """Compare one set of outputs (e.g. one request's response) against the reference."""
     return compare_many([ref], [cand], spec)
 
 
 def compare_many(
-    refs: Sequence[Mapping[str, np.ndarray]], cands: Sequence[Mapping[str, np.ndarray]], spec: ToleranceSpec
+    refs: Sequence[Mapping[str, npt.NDArray[Any]]],
+    cands: Sequence[Mapping[str, npt.NDArray[Any]]],
+    spec: ToleranceSpec,
 ) -> Verdict:
     """The gate over many batches: per-sample values are pooled across batches before the statistic."""
     if len(refs) != len(cands):
@@ -323,7 +336,7 @@ def compare_many(
     verdicts: dict[str, OutputVerdict] = {}
     for name in names:
         tol = spec.for_output(name)
-        pooled: list[np.ndarray] = []
+        pooled: list[npt.NDArray[np.float64]] = []
         structural: str | None = None
         offset = 0
         for r, c in zip(refs, cands, strict=True):
@@ -331,12 +344,16 @@ def compare_many(
             if ra is None and ca is None:
                 structural = structural or f"{name}: missing from the reference and the candidate"
                 continue
-            s = _structural_failure(name, None if ra is None else np.asarray(ra), None if ca is None else np.asarray(ca))
+            s = _structural_failure(
+                name, None if ra is None else np.asarray(ra), None if ca is None else np.asarray(ca)
+            )
             if s is not None:
                 structural = structural or (s if offset == 0 else f"{s} (batch starting at sample {offset})")
                 continue
             if tol is not None and ra is not None and ca is not None:
-                with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf outcomes are judged, not warned about
+                with np.errstate(
+                    invalid="ignore", over="ignore"
+                ):  # NaN/Inf outcomes are judged, not warned about
                     vals = sample_values(tol, np.asarray(ra), np.asarray(ca))
                 pooled.append(vals)
                 offset += vals.size

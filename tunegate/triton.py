@@ -27,14 +27,15 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, Any, Self
 
+from tunegate.errors import ServiceError
 from tunegate.procs import die_with_parent
 
 LOG = logging.getLogger(__name__)
 
 
-class TritonError(RuntimeError):
+class TritonError(ServiceError):
     """The embedded server could not be laid out, started or driven."""
 
 
@@ -148,7 +149,7 @@ class EmbeddedTriton:
         self.log_path = self.workdir / "tritonserver.log"
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def __enter__(self) -> EmbeddedTriton:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -166,6 +167,10 @@ class EmbeddedTriton:
         return f"127.0.0.1:{self.http_port}"
 
     @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
@@ -174,9 +179,15 @@ class EmbeddedTriton:
         repo = Path(opts.repository).resolve()
         if not repo.is_dir():
             raise TritonStartError(f"model repository {repo} does not exist or is not a directory")
-        for name, port in (("HTTP", opts.http_port), ("gRPC", opts.grpc_port), ("metrics", opts.metrics_port)):
+        for name, port in (
+            ("HTTP", opts.http_port),
+            ("gRPC", opts.grpc_port),
+            ("metrics", opts.metrics_port),
+        ):
             if port and port_in_use(port):
-                raise TritonStartError(f"{name} port {port} is already in use; pick another or leave it unset")
+                raise TritonStartError(
+                    f"{name} port {port} is already in use; pick another or leave it unset"
+                )
         self.http_port = opts.http_port or free_port()
         self.grpc_port = opts.grpc_port or free_port()
         self.metrics_port = opts.metrics_port or free_port()
@@ -203,7 +214,7 @@ class EmbeddedTriton:
             *opts.extra_args,
         ]
         LOG.info("starting tritonserver: %s", " ".join(cmd))
-        self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log_file: IO[bytes] | None = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd,
             stdout=self._log_file,
@@ -276,7 +287,9 @@ class EmbeddedTriton:
             shutil.rmtree(self.workdir / "backends", ignore_errors=True)
 
     # -- control -----------------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 120) -> Any:
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 120
+    ) -> Any:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(f"{self.http_url}{path}", data=data, method=method)
         if data is not None:

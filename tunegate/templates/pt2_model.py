@@ -39,7 +39,9 @@ class Pt2Runner:
     def __call__(self, feeds):
         """numpy in, numpy out: the tuner's gate and benchmark."""
         torch = self.torch
-        outs = self.run_tensors({n: torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in self.input_names})
+        outs = self.run_tensors(
+            {n: torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in self.input_names}
+        )
         return {n: o.numpy() for n, o in outs.items()}
 
     def run_tensors(self, feeds):
@@ -112,5 +114,7 @@ class TritonPythonModel:
                 tensors = [pb_utils.Tensor.from_dlpack(n, to_dlpack(outs[n])) for n in self.config_outputs]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
             except Exception as exc:  # noqa: BLE001 - one bad request must not take the batch down
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
+                responses.append(
+                    pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc)))
+                )
         return responses
