@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from sidecar.canary import CanaryError, CanaryManager
@@ -83,7 +83,9 @@ def _authorized(handler: Handler) -> Handler:
     async def wrapped(request: web.Request) -> web.StreamResponse:
         token = request.app[CONFIG].admin_token
         if token is None:
-            return web.json_response({"error": "the admin API is disabled (no admin token configured)"}, status=403)
+            return web.json_response(
+                {"error": "the admin API is disabled (no admin token configured)"}, status=403
+            )
         throttle, peer, now = request.app[FAILED_TOKENS], _peer(request), time.monotonic()
         wait = throttle.blocked_for(peer, now)
         if wait > 0:
@@ -162,7 +164,7 @@ async def decisions(request: web.Request) -> web.StreamResponse:
 
 
 async def metrics_handler(request: web.Request) -> web.StreamResponse:
-    body = generate_latest(request.app[METRICS].registry)
+    body = await request.app[METRICS].render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -266,7 +268,14 @@ class RunningSidecar:
 
     def __init__(self, app: web.Application, runner: web.AppRunner, server: asyncio.Server, front: Front,
                  admin: UpstreamPool, sockdir: str) -> None:  # fmt: skip
-        self.app, self.runner, self.server, self.front, self.admin, self.sockdir = app, runner, server, front, admin, sockdir
+        self.app, self.runner, self.server, self.front, self.admin, self.sockdir = (
+            app,
+            runner,
+            server,
+            front,
+            admin,
+            sockdir,
+        )
         self.port: int = server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -287,7 +296,9 @@ async def start(config: SidecarConfig, registry: CollectorRegistry | None = None
     try:
         sock = os.path.join(sockdir, "admin.sock")
         await web.UnixSite(runner, sock).start()
-        if config.admin_listen is not None:  # the admin API on an address of its own; the client port refuses it
+        if (
+            config.admin_listen is not None
+        ):  # the admin API on an address of its own; the client port refuses it
             host, port = config.admin_listen
             await web.TCPSite(runner, host, port, reuse_address=True).start()
         admin = UpstreamPool("localhost", 0, limit=64, timeout_s=config.upstream_timeout_s, unix_path=sock)

@@ -1,4 +1,6 @@
-"""Canaries: start, mirror evidence, periodic judging, and the durable promote/pin sequence.
+"""The canary manager: start, mirror offers, periodic judging, and the durable promote/pin sequence.
+
+The canary's record is sidecar/canary_record.py; one mirrored request's comparison is sidecar/mirror_job.py.
 
 A decision is committed in three steps, each durable before the next: the pending decision goes
 into state.json, then the action runs on Triton (idempotent), then the record is appended to
@@ -12,171 +14,38 @@ import asyncio
 import bisect
 import collections
 import contextlib
-import dataclasses
 import functools
 import logging
 import random
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from sidecar.budget import BOUNDS, MirrorBudget
+from sidecar.budget import BOUNDS
+from sidecar.canary_record import GATE_FIGURES, Canary, CanaryError, gate_vs_canary
 from sidecar.config import CanaryParams, ConfigError, SidecarConfig
 from sidecar.control import SHADOW_SUFFIX, ControlError, PromotionError, TritonControl, shadow_name
-from sidecar.faults import Blame, MirrorFault, classify_answer, classify_exception
-from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, judge
+from sidecar.decision import Decision
+from sidecar.faults import Blame, classify_answer, classify_exception
+from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, Outcome, judge
 from sidecar.memory import SAMPLE_INTERVAL_S, MemoryProbe, Reading
 from sidecar.metrics import SidecarMetrics, repository_models
-from sidecar.mirror import Comparison, MirrorSlots, Reference, compare_responses, reference, request_class
+from sidecar.mirror import Comparison
+from sidecar.mirror_job import FORWARD_MIRROR_HEADERS, MirrorJob, Replayed
 from sidecar.rollback import apply_retention, finish_pending, pending_rollback
 from sidecar.semantics import SEQUENCE, ModelSemantics, parse_model_config, sequence_request
-from sidecar.state import EvidenceCounter, StateStore
+from sidecar.state import StateStore
 from sidecar.throughput import ComputeReading, StatsError, capacity, instance_count, parse_statistics
 from sidecar.throughput import evidence as throughput_evidence
-from sidecar.throughput import figures as throughput_figures
 from sidecar.upstream import Headers, UpstreamPool, UpstreamResponse
 from tunegate.tolerance import ToleranceError, ToleranceSpec
 
 LOG = logging.getLogger(__name__)
-INLINE_COMPARE_BYTES = 8 << 10
-Replayed = tuple[UpstreamResponse, float] | MirrorFault  # a mirror copy's 200 and its latency, or its fault
 KNOWN_MODELS_S = 10.0  # the repository's models are listed again this often (a new model's series: within it)
 SHADOW_RELOAD_RETRY_S = 5.0  # a paused canary's shadow that failed to reload is tried again this much later
-FORWARD_MIRROR_HEADERS = frozenset({b"content-type", b"content-encoding", b"inference-header-content-length"})
-
-
-GATE_FIGURES = ("n", "k", "oot_rate", "upper", "budget", "confidence", "passed", "source")
-
-
-def gate_vs_canary(gate: dict[str, Any] | None, stats: dict[str, Any], params: CanaryParams) -> dict[str, Any]:
-    """The tuner's gate and the canary in the same terms (per-request out-of-tolerance rate, its one-sided
-    anytime bound, the budget, the confidence), side by side in the decision record."""
-    compared, oot = stats.get("compared"), stats.get("out_of_tolerance")
-    return {
-        "gate": gate,
-        "canary": {"n": compared, "k": oot, "oot_rate": stats.get("oot_rate"), "upper": stats.get("oot_rate_upper"),
-                   "upper_over_aa": stats.get("oot_difference_upper"), "budget": params.oot_budget,
-                   "confidence": params.confidence},
-    }  # fmt: skip
-
-
-class CanaryError(Exception):
-    """A canary request that cannot be served; `status` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclasses.dataclass
-class Canary:
-    id: str
-    model: str
-    candidate: int
-    baseline: int
-    started: float
-    deadline: float
-    params: CanaryParams
-    tolerance: ToleranceSpec
-    tolerance_source: str
-    evidence: EvidenceCounter = dataclasses.field(default_factory=EvidenceCounter)
-    judgement: dict[str, Any] | None = None
-    pending: dict[str, Any] | None = None
-    slots: MirrorSlots = dataclasses.field(default_factory=lambda: MirrorSlots(1))
-    # {"since", "reason", "blame"} while Triton is unavailable or the shadow is lost: nothing is mirrored,
-    # counted or judged. Not persisted: a restarted sidecar checks Triton again (CanaryManager.resume).
-    paused: dict[str, Any] | None = None
-    # What the model's config says about mirroring (sidecar.semantics), read once at the start.
-    semantics: ModelSemantics | None = None
-    memory: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last memory sample's details
-    memory_probe: MemoryProbe | None = None
-    # Triton's compute counters per role at the first reading after the warm-up, and each role's instance
-    # count (sidecar.throughput). Not persisted: a restarted sidecar starts a new window.
-    throughput_first: dict[str, ComputeReading] = dataclasses.field(default_factory=dict)
-    instances: dict[str, int] = dataclasses.field(default_factory=dict)
-    # The tuner's gate as the candidate's release.json records it (its rate in the canary's terms), for the
-    # decision record's side-by-side figures; None when the version has no release record.
-    gate: dict[str, Any] | None = None
-    # The mirror budget (sidecar.budget): the effective sample rate and the client latency windows. Not
-    # persisted: a restarted sidecar measures afresh, starting with a pause.
-    budget: MirrorBudget = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        p = self.params
-        self.budget = MirrorBudget(p.sample_rate, p.max_client_slowdown, p.budget_period_s, p.budget_pause_s,
-                                   time.monotonic())  # fmt: skip
-        # Shadow pairing sends one pair at a time: with several in flight, the slower side's copies queue
-        # behind each other at its instance while the faster side's do not, and a 3% slower candidate
-        # looked twice as slow (closed-loop queueing). One pair at a time meets two empty queues.
-        self.slots = MirrorSlots(1 if self.params.latency_pairing == "shadow" else self.params.max_in_flight)
-
-    def shadow_baseline(self) -> int | None:
-        """The baseline version the shadow model serves too (shadow latency pairing), else None."""
-        return self.baseline if self.params.latency_pairing == "shadow" else None
-
-    def shadow_versions(self) -> tuple[int, ...]:
-        b = self.shadow_baseline()
-        return (self.candidate,) if b is None else (self.candidate, b)
-
-    def targets(self) -> dict[str, tuple[str, int]]:
-        """role -> (model, version) Triton serves it as: the candidate in the shadow model; the baseline there too
-        with shadow pairing (it gets the same copies), else the live model's version."""
-        base_model = shadow_name(self.model) if self.shadow_baseline() is not None else self.model
-        return {"candidate": (shadow_name(self.model), self.candidate), "baseline": (base_model, self.baseline)}
-
-    @functools.cached_property
-    def mirror_paths(self) -> dict[str, bytes]:
-        """Where each mirror role's copies go, built once per canary rather than per request."""
-        base_model = shadow_name(self.model) if self.shadow_baseline() is not None else self.model
-        return {"candidate": f"/v2/models/{shadow_name(self.model)}/versions/{self.candidate}/infer".encode(),
-                # with shadow pairing, the shadow's own baseline instance: no client traffic queues there
-                "aa": f"/v2/models/{base_model}/versions/{self.baseline}/infer".encode()}  # fmt: skip
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "candidate": self.candidate,
-            "baseline": self.baseline,
-            "started": self.started,
-            "deadline": self.deadline,
-            "params": self.params.to_dict(),
-            "tolerance": self.tolerance.to_dict(),
-            "tolerance_source": self.tolerance_source,
-            "evidence": self.evidence.to_dict(),
-            "judgement": self.judgement,
-            "pending": self.pending,
-            "semantics": None if self.semantics is None else self.semantics.to_dict(),
-            "gate": self.gate,
-        }
-
-    @classmethod
-    def from_dict(cls, model: str, raw: dict[str, Any]) -> Canary:
-        return cls(
-            id=raw["id"], model=model, candidate=int(raw["candidate"]), baseline=int(raw["baseline"]),
-            started=float(raw["started"]), deadline=float(raw["deadline"]),
-            params=CanaryParams.from_dict(raw["params"]), tolerance=ToleranceSpec.from_dict(raw["tolerance"]),
-            tolerance_source=raw.get("tolerance_source", "request"),
-            evidence=EvidenceCounter.from_dict(raw.get("evidence", {})),
-            judgement=raw.get("judgement"), pending=raw.get("pending"),
-            semantics=ModelSemantics.from_dict(raw.get("semantics")), gate=raw.get("gate"),
-        )  # fmt: skip
-
-    def status(self) -> dict[str, Any]:
-        d = self.to_dict()
-        ev = dict(d["evidence"])
-        ev["latency_pairs"] = len(ev.pop("primary_s"))
-        ev.pop("candidate_s")
-        d["evidence"] = ev
-        d["in_flight"] = len(self.slots)
-        d["paused"] = self.paused
-        d["memory"] = self.memory
-        d["throughput"] = throughput_figures(self.evidence.throughput)
-        d["mirror_budget"] = self.budget.status()
-        return d
 
 
 class CanaryManager:
@@ -193,7 +62,9 @@ class CanaryManager:
         self.store = store
         self.session = session
         self.metrics = metrics
-        self.control = TritonControl(session, config.upstream, config.repository)
+        self.control = TritonControl(
+            session, config.upstream, config.repository, grpc_address=config.upstream_grpc
+        )
         self.canaries: dict[str, Canary] = {}
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._random = random.Random()  # sampling only; decisions never depend on it
@@ -271,7 +142,7 @@ class CanaryManager:
             return
         fwd = [(k, v) for k, v in headers if k.lower() in FORWARD_MIRROR_HEADERS]
         aa = p.aa_rate > 0 and self._random.random() < p.aa_rate
-        job = _MirrorJob(self, canary, body, fwd, primary, primary_s, request_id, aa)
+        job = MirrorJob(self, canary, body, fwd, primary, primary_s, request_id, aa)
         job._step(job.start)
 
     def replayed(self, canary: Canary, version: int, role: str, resp: UpstreamResponse | None,
@@ -402,7 +273,9 @@ class CanaryManager:
                 raw = await self.control.get_json(f"/v2/models/{name}/versions/{version}/stats")
                 readings[role] = parse_statistics(raw, name, version)
                 if role not in canary.instances:
-                    canary.instances[role] = instance_count(await self.control.get_json(f"/v2/models/{name}/config"))
+                    canary.instances[role] = instance_count(
+                        await self.control.get_json(f"/v2/models/{name}/config")
+                    )
         except (ControlError, StatsError) as exc:  # measuring must never stop judging
             LOG.warning("reading Triton's statistics for %s's versions failed: %s", canary.model, exc)
             return
@@ -488,15 +361,21 @@ class CanaryManager:
             except ControlError as exc:
                 raise CanaryError(str(exc), 404) from exc
             try:
-                await self.control.start_shadow(model, candidate, live if params.latency_pairing == "shadow" else None)
+                await self.control.start_shadow(
+                    model, candidate, live if params.latency_pairing == "shadow" else None
+                )
             except ControlError as exc:
                 raise CanaryError(f"cannot load the candidate: {exc}", 502) from exc
             await self.refresh_known()  # the candidate's version gets series of its own from its first copy
             now = time.time()
-            canary = Canary(uuid.uuid4().hex, model, candidate, live, now, now + params.deadline_s, params, spec, source)
+            canary = Canary(
+                uuid.uuid4().hex, model, candidate, live, now, now + params.deadline_s, params, spec, source
+            )
             canary.semantics = await self._semantics(model)
             canary.evidence.started = now
-            if release is not None:  # the request classes of the traffic the gate judged: each must be covered
+            if (
+                release is not None
+            ):  # the request classes of the traffic the gate judged: each must be covered
                 canary.evidence.expected_classes = dict(release.get("gate", {}).get("classes", {}) or {})
                 g = release.get("gate") or {}
                 canary.gate = {k: g.get(k) for k in GATE_FIGURES} if isinstance(g, dict) and g else None
@@ -508,7 +387,7 @@ class CanaryManager:
             LOG.info("canary %s started: %s v%d against v%d", canary.id, model, candidate, live)
             return self.status(model)
 
-    async def decide_manually(self, model: str, outcome: str) -> dict[str, Any]:
+    async def decide_manually(self, model: str, outcome: Outcome) -> dict[str, Any]:
         canary = self.canaries.get(model)
         if canary is None:
             raise CanaryError(f"model {model!r} has no running canary", 404)
@@ -563,7 +442,9 @@ class CanaryManager:
             await self._sample_memory(canary)
             await self._sample_throughput(canary)
             snap = canary.evidence.snapshot()
-            call = functools.partial(judge, snap, canary.params.judge_params(), now=time.time(), deadline=canary.deadline)
+            call = functools.partial(
+                judge, snap, canary.params.judge_params(), now=time.time(), deadline=canary.deadline
+            )
             j = await loop.run_in_executor(None, call)
             canary.judgement = j.to_dict()
             self.metrics.candidate_oot_rate.labels(model).set(j.stats["oot_rate"])
@@ -590,15 +471,14 @@ class CanaryManager:
             canary = self.canaries.get(model)
             if canary is None or canary.pending is not None:
                 return
-            canary.pending = {
-                "canary_id": canary.id, "model": model, "candidate": canary.candidate, "baseline": canary.baseline,
-                "outcome": j.outcome, "reasons": list(j.reasons), "evidence": {**j.stats, **canary.budget.record()},
-                "decided_by": by,
-                "exemplars": list(canary.evidence.exemplars), "started": canary.started, "at": time.time(),
-                "params": canary.params.to_dict(), "tolerance": canary.tolerance.to_dict(),
-                "gate_vs_canary": gate_vs_canary(canary.gate, j.stats, canary.params),
-                "tolerance_source": canary.tolerance_source,
-            }  # fmt: skip
+            canary.pending = Decision(
+                canary_id=canary.id, model=model, candidate=canary.candidate, baseline=canary.baseline,
+                outcome=j.outcome, reasons=list(j.reasons), evidence={**j.stats, **canary.budget.record()},
+                decided_by=by, exemplars=list(canary.evidence.exemplars), started=canary.started, at=time.time(),
+                params=canary.params.to_dict(), tolerance=canary.tolerance.to_dict(),
+                gate_vs_canary=gate_vs_canary(canary.gate, j.stats, canary.params),
+                tolerance_source=canary.tolerance_source,
+            ).to_dict()  # fmt: skip
             self.store.model(model)["canary"] = canary.to_dict()
             await self._save()
             try:
@@ -617,18 +497,18 @@ class CanaryManager:
 
     async def _complete(self, canary: Canary) -> None:
         """Act on a pending decision (idempotent), append its record once, clear the canary."""
-        model, rec = canary.model, dict(canary.pending or {})
+        model, rec = canary.model, Decision.from_dict(canary.pending or {})
         await canary.slots.drain()
         existing = await asyncio.to_thread(self.store.decision_for, canary.id)
         if existing is not None:
-            rec = existing
+            rec = Decision.from_dict(existing)
         live = canary.baseline
-        if rec["outcome"] == PROMOTE:
+        if rec.outcome == PROMOTE:
             try:
                 await self.control.stage_promotion(model, canary.candidate, canary.baseline)
             except (PromotionError, ControlError) as exc:
-                rec["outcome"] = PIN
-                rec["reasons"] = [*rec["reasons"], f"promotion failed, the baseline keeps serving: {exc}"]
+                rec.outcome = PIN
+                rec.reasons = [*rec.reasons, f"promotion failed, the baseline keeps serving: {exc}"]
             else:
                 live = canary.candidate
                 self.store.model(model)["live"] = live  # from here every unversioned request goes to C
@@ -639,28 +519,30 @@ class CanaryManager:
                 try:
                     await self.control.finish_promotion(model, canary.candidate)
                 except ControlError as exc:  # C serves; B stays loaded beside it until the next reload
-                    LOG.error("promoted %s v%d, but unloading v%d failed: %s", model, live, canary.baseline, exc)
-                    rec["reasons"] = [*rec["reasons"], f"the baseline could not be unloaded: {exc}"]
+                    LOG.error(
+                        "promoted %s v%d, but unloading v%d failed: %s", model, live, canary.baseline, exc
+                    )
+                    rec.reasons = [*rec.reasons, f"the baseline could not be unloaded: {exc}"]
         try:
             await self.control.stop_shadow(model)
         except ControlError as exc:
             LOG.warning("could not unload %s: %s", shadow_name(model), exc)
-        rec["live_after"] = live
+        rec.live_after = live
         if existing is None:
-            await asyncio.to_thread(self.store.decisions.append, rec)
-            outcome = rec["outcome"]
+            await asyncio.to_thread(self.store.decisions.append, rec.to_dict())
+            outcome = rec.outcome
             self.metrics.decisions.labels(model, outcome).inc()
             self.metrics.last_decision.labels(model, outcome).set(time.time())
-        state = "promoted" if rec["outcome"] == PROMOTE else "pinned"
+        state = "promoted" if rec.outcome == PROMOTE else "pinned"
         ms = self.store.model(model)
         ms["live"], ms["canary"] = live, None
-        ms["last"] = {"canary_id": canary.id, "state": state, "outcome": rec["outcome"], "candidate": canary.candidate,
-                      "baseline": canary.baseline, "reasons": rec["reasons"], "at": rec["at"]}  # fmt: skip
+        ms["last"] = {"canary_id": canary.id, "state": state, "outcome": rec.outcome, "candidate": canary.candidate,
+                      "baseline": canary.baseline, "reasons": rec.reasons, "at": rec.at}  # fmt: skip
         self.canaries.pop(model, None)
         await self._save()
         self._publish(model)
-        LOG.info("canary %s of %s: %s (%s)", canary.id, model, rec["outcome"], "; ".join(rec["reasons"]))
-        if rec["outcome"] == PROMOTE:
+        LOG.info("canary %s of %s: %s (%s)", canary.id, model, rec.outcome, "; ".join(rec.reasons))
+        if rec.outcome == PROMOTE:
             await apply_retention(self, model)  # sidecar/rollback.py: old versions beyond retain_versions
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -679,7 +561,9 @@ class CanaryManager:
         for model, ms in list(self.store.models().items()):
             if ms.get("canary"):
                 canary = Canary.from_dict(model, ms["canary"])
-                if canary.semantics is None:  # a state file written before the config was kept with the canary
+                if (
+                    canary.semantics is None
+                ):  # a state file written before the config was kept with the canary
                     canary.semantics = await self._semantics(model)
                 self.canaries[model] = canary
                 if canary.pending is not None:
@@ -687,7 +571,9 @@ class CanaryManager:
                 elif not await self.control.serving(model, canary.baseline):
                     # Triton is down too: not the candidate's fault. Paused; the judge tick reloads the shadow
                     self._pause(canary, Blame.TRITON, f"no answer from {self.control.base}/v2/health/ready")
-                elif not all([await self.control.ready(shadow_name(model), v) for v in canary.shadow_versions()]):
+                elif not all(
+                    [await self.control.ready(shadow_name(model), v) for v in canary.shadow_versions()]
+                ):
                     try:
                         await self.control.start_shadow(model, canary.candidate, canary.shadow_baseline())
                     except ControlError as exc:
@@ -712,6 +598,7 @@ class CanaryManager:
         return out
 
     async def close(self) -> None:
+        await self.control.close()
         for canary in self.canaries.values():
             n = await canary.slots.drain(timeout_s=1.0)
             if n:
@@ -743,223 +630,6 @@ class CanaryManager:
             for gauge in (self.metrics.mirror_sample_rate, self.metrics.client_slowdown):
                 with contextlib.suppress(KeyError):
                     gauge.remove(model)
-
-
-class _MirrorJob:
-    """One sampled request's mirror as a chain of pool callbacks (no task): send, compare, record, release.
-
-    The candidate's copy goes out first (with `latency_pairing="shadow"`, together with a baseline replay,
-    in alternating order). Comparisons of small responses run inline, larger ones in the executor. A
-    canary decided meanwhile (slots closed) takes nothing more. Whatever happens, the slot is released
-    once: an exception in a step is logged and ends the job, it never leaks the slot or reaches the client.
-    """
-
-    __slots__ = (
-        "aa",
-        "base",
-        "body",
-        "canary",
-        "cand",
-        "cand_passed",
-        "cls",
-        "done",
-        "headers",
-        "mgr",
-        "primary",
-        "primary_s",
-        "ref",
-        "request_id",
-        "waiting",
-    )  # fmt: skip
-
-    def __init__(self, mgr: CanaryManager, canary: Canary, body: bytes, headers: Headers, primary: UpstreamResponse,
-                 primary_s: float, request_id: str, aa: bool) -> None:  # fmt: skip
-        self.mgr, self.canary, self.body, self.headers = mgr, canary, body, headers
-        self.primary, self.primary_s, self.request_id, self.aa = primary, primary_s, request_id, aa
-        self.cand: Replayed | None = None
-        self.base: Replayed | None = None
-        self.ref: Reference | Comparison | None = None  # the primary, decoded once
-        self.waiting = 0
-        self.done = False
-        self.cls = request_class(body, headers)
-        self.cand_passed: bool | None = None  # the candidate's verdict, for the paired (discordant) counts
-
-    # -- steps ---------------------------------------------------------------------------------
-    def start(self) -> None:
-        c = self.canary
-        if c.params.latency_pairing == "shadow":
-            # Both copies leave together, in alternating order, and meet the same load: a fair latency pair.
-            self.mgr.metrics.inc(self.mgr.metrics.mirror_sampled, c.model, "aa")
-            self.waiting = 2
-            self.mgr._cand_first = not self.mgr._cand_first
-            if self.mgr._cand_first:
-                self._send("candidate", self._paired)
-                self._send("aa", self._paired)
-            else:
-                self._send("aa", self._paired)
-                self._send("candidate", self._paired)
-        else:
-            self.waiting = 1
-            self._send("candidate", self._paired)
-
-    def _send(self, role: str, then: Callable[[str, UpstreamResponse | None, BaseException | None, float], None]) -> None:
-        c = self.canary
-        t0 = time.perf_counter()
-
-        def answered(resp: UpstreamResponse | None, exc: BaseException | None) -> None:
-            self._step(then, role, resp, exc, time.perf_counter() - t0)
-
-        self.mgr.upstream.send(b"POST", c.mirror_paths[role], self.headers, self.body, answered, c.params.timeout_s)
-
-    def _paired(self, role: str, resp: UpstreamResponse | None, exc: BaseException | None, seconds: float) -> None:
-        c = self.canary
-        version = c.candidate if role == "candidate" else c.baseline
-        got = self.mgr.replayed(c, version, role, resp, exc, seconds)
-        if role == "candidate":
-            self.cand = got
-        else:
-            self.base = got
-        self.waiting -= 1
-        if self.waiting:
-            return
-        if self._closed():
-            return
-        cand, ev = self.cand, c.evidence
-        if not isinstance(cand, tuple):
-            if cand is None or not cand.is_candidate_evidence:
-                self._finish()  # Triton's fault, not the candidate's: nothing is counted (the canary pauses)
-                return
-            ev.sent += 1
-            if cand.kind == "timeout":
-                ev.timeouts += 1
-            else:
-                ev.errors += 1
-                exemplar = {"request_id": self.request_id, "kind": "candidate_error", "detail": cand.detail}
-                ev.add_exemplar(exemplar)
-            base = self.base
-            if base is not None and (isinstance(base, tuple) or base.is_candidate_evidence):
-                base_failed = not isinstance(base, tuple) or base[0].status != 200
-                ev.aa_sent += 1
-                ev.aa_errors += base_failed
-                ev.paired_sent += 1
-                ev.cand_only_errors += not base_failed
-            self.mgr._dirty = True
-            self._finish()
-            return
-        self._compare(cand[0], self._candidate_compared)
-
-    def _candidate_compared(self, cmp: Comparison) -> None:
-        if self._closed():
-            return
-        c, ev = self.canary, self.canary.evidence
-        if not cmp.reference_ok:
-            self._finish()
-            return
-        assert isinstance(self.cand, tuple)
-        ev.sent += 1
-        ev.add_comparison(cmp.passed, self.cls)
-        self.cand_passed = cmp.passed
-        base = self.base
-        base_ok = isinstance(base, tuple) and base[0].status == 200  # the baseline's failures are not evidence
-        # Warm-up by count and by time: a freshly loaded model's first answers are slow for reasons of its own.
-        if ev.compared > c.params.warmup_samples and time.time() - c.started >= c.params.warmup_s:
-            if c.params.latency_pairing != "shadow":
-                ev.add_pair(self.primary_s, self.cand[1], self.cls)
-            elif base_ok:
-                ev.add_pair(base[1], self.cand[1], self.cls)  # type: ignore[index]
-        self.mgr._count(c, cmp, "candidate")
-        if not cmp.passed:
-            ev.add_exemplar({"request_id": self.request_id, "kind": "out_of_tolerance", "reasons": list(cmp.reasons)})
-        self.mgr._dirty = True
-        if base is None and self.aa:  # primary pairing: a sampled A/A replay goes out after the candidate's
-            self.mgr.metrics.inc(self.mgr.metrics.mirror_sampled, c.model, "aa")
-            self._send("aa", self._aa_answered)
-        else:
-            self._compare_base()
-
-    def _aa_answered(self, role: str, resp: UpstreamResponse | None, exc: BaseException | None, seconds: float) -> None:
-        self.base = self.mgr.replayed(self.canary, self.canary.baseline, role, resp, exc, seconds)
-        self._compare_base()
-
-    def _compare_base(self) -> None:
-        """The baseline's replay against the primary (the noise floor), when there is a good one."""
-        if self._closed():
-            return
-        base = self.base
-        self._count_baseline_answer(base)
-        if isinstance(base, tuple) and base[0].status == 200:
-            self._compare(base[0], self._aa_compared)
-        else:
-            self._finish()
-
-    def _count_baseline_answer(self, base: Replayed | None) -> None:
-        """The baseline replay's own outcome: its error rate, and errors on one side only of a request sent to both."""
-        if base is None or not (isinstance(base, tuple) or base.is_candidate_evidence):
-            return  # not replayed, or Triton's fault: nothing is known about the baseline
-        ev = self.canary.evidence
-        base_failed = not isinstance(base, tuple) or base[0].status != 200
-        ev.aa_sent += 1
-        ev.aa_errors += base_failed
-        if self.cand_passed is not None:  # the candidate answered: both sides' outcomes are known
-            ev.paired_sent += 1
-            ev.aa_only_errors += base_failed
-
-    def _aa_compared(self, cmp: Comparison) -> None:
-        if self._closed():
-            return
-        ev = self.canary.evidence
-        if cmp.reference_ok:
-            ev.aa_compared += 1
-            ev.aa_out_of_tolerance += 0 if cmp.passed else 1
-            if self.cand_passed is not None:
-                ev.paired_compared += 1
-                ev.cand_only_oot += self.cand_passed is False and cmp.passed
-                ev.aa_only_oot += self.cand_passed and not cmp.passed
-            self.mgr._count(self.canary, cmp, "aa")
-            self.mgr.metrics.noise_floor_rate.labels(self.canary.model).set(ev.aa_out_of_tolerance / ev.aa_compared)
-        self._finish()
-
-    # -- plumbing ------------------------------------------------------------------------------
-    def _compare(self, other: UpstreamResponse, then: Callable[[Comparison], None]) -> None:
-        """Small responses inline (a thread handoff would cost more than the work), larger ones in the executor.
-
-        The primary is decoded at the first comparison and kept for the second (the A/A one).
-        """
-        spec = self.canary.tolerance
-        if len(self.primary.body) + len(other.body) <= INLINE_COMPARE_BYTES:
-            if self.ref is None:
-                self.ref = reference(self.primary)
-            then(compare_responses(self.ref, other, spec))
-            return
-
-        def work() -> tuple[Reference | Comparison, Comparison]:
-            ref = self.ref if self.ref is not None else reference(self.primary)
-            return ref, compare_responses(ref, other, spec)
-
-        def done(f: asyncio.Future[tuple[Reference | Comparison, Comparison]]) -> None:
-            self.ref, cmp = f.result()
-            then(cmp)
-
-        fut = asyncio.get_running_loop().run_in_executor(None, work)
-        fut.add_done_callback(lambda f: self._finish() if f.cancelled() else self._step(done, f))
-
-    def _step(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:  # a bug ends this job (and frees its slot); it never reaches the client path
-            LOG.exception("mirror step failed for %s", self.canary.model)
-            self._finish()
-
-    def _closed(self) -> bool:
-        if self.canary.slots.closed:
-            self._finish()
-            return True
-        return False
-
-    def _finish(self) -> None:
-        if not self.done:
-            self.done = True
-            self.canary.slots.release()
 
 
 __all__ = ["INCONCLUSIVE", "PIN", "PROMOTE", "Canary", "CanaryError", "CanaryManager"]

@@ -13,6 +13,7 @@ from typing import Any
 
 from rich.table import Table
 
+from sidecar.app import serve
 from sidecar.client import AdminClient, AdminError
 from sidecar.config import ConfigError, load_config, read_token
 from tunegate.console import CliError, emit_json, err, out
@@ -20,24 +21,44 @@ from tunegate.records import atomic_write_text
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("sidecar", help="run the KServe v2 sidecar in front of Triton (mirror, judge, promote/pin)")
-    p.add_argument("--config", type=Path, help="TOML file (keys as the flags, plus a [canary] table of defaults)")
+    p = sub.add_parser(
+        "sidecar", help="run the KServe v2 sidecar in front of Triton (mirror, judge, promote/pin)"
+    )
+    p.add_argument(
+        "--config", type=Path, help="TOML file (keys as the flags, plus a [canary] table of defaults)"
+    )
     p.add_argument("--listen", help="host:port to listen on (default 127.0.0.1:8080; port 0 picks one)")
     p.add_argument("--upstream", help="Triton's HTTP URL, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--upstream-grpc",
+        metavar="HOST:PORT",
+        help="Triton's gRPC address, e.g. 127.0.0.1:8001: model loads go there and stall no HTTP client",
+    )
     p.add_argument("--state-dir", type=Path, help="where state.json and decisions.jsonl live")
     p.add_argument("--repository", type=Path, help="the model repository Triton serves (shared with Triton)")
-    p.add_argument("--admin-token-file", type=Path, help="file holding the admin bearer token (read at startup)")
+    p.add_argument(
+        "--admin-token-file", type=Path, help="file holding the admin bearer token (read at startup)"
+    )
     p.add_argument("--capture-dir", type=Path, help="write sampled requests here (tunegate.capture format)")
     p.add_argument("--capture-rate", type=float, help="fraction of requests captured (default 0)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (413 above)")
-    p.add_argument("--retain-versions", type=int, metavar="N",
-                   help="after a promotion or rollback, keep a model's newest N versions (3; 0: all)")
-    p.add_argument("--admin-listen", metavar="HOST:PORT",
-                   help="serve the admin API (/canary, /decisions) on this address only, not on the client port")
+    p.add_argument(
+        "--retain-versions",
+        type=int,
+        metavar="N",
+        help="after a promotion or rollback, keep a model's newest N versions (3; 0: all)",
+    )
+    p.add_argument(
+        "--admin-listen",
+        metavar="HOST:PORT",
+        help="serve the admin API (/canary, /decisions) on this address only, not on the client port",
+    )
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_sidecar)
 
-    c = sub.add_parser("canary", help="start, inspect, promote or pin a canary through the sidecar's admin API")
+    c = sub.add_parser(
+        "canary", help="start, inspect, promote or pin a canary through the sidecar's admin API"
+    )
     c.add_argument("--url", default=os.environ.get("TUNEGATE_SIDECAR_URL", "http://127.0.0.1:8080"),
                    help="sidecar URL (env TUNEGATE_SIDECAR_URL)")  # fmt: skip
     c.add_argument("--token-file", type=Path, default=None,
@@ -47,7 +68,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     st = csub.add_parser("start", help="start a canary of a candidate version")
     st.add_argument("model")
     st.add_argument("candidate", type=int)
-    st.add_argument("--tolerance", type=Path, help="JSON tolerance spec (needed when the version has no release.json)")
+    st.add_argument(
+        "--tolerance", type=Path, help="JSON tolerance spec (needed when the version has no release.json)"
+    )
     st.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                     help="canary parameter, e.g. min_samples=200 deadline_s=120 sample_rate=0.5 (repeatable)")  # fmt: skip
     for name, helptext in (("status", "show a model's canary (or all)"), ("promote", "promote the candidate now"),
@@ -56,17 +79,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         a.add_argument("model", nargs="?" if name in ("status", "decisions") else None)
     rb = csub.add_parser("rollback", help="bring back the previous live version (no downtime), recorded")
     rb.add_argument("model")
-    rb.add_argument("--to", type=int, metavar="VERSION",
-                    help="the version to bring back (default: the last promotion's baseline)")
+    rb.add_argument(
+        "--to",
+        type=int,
+        metavar="VERSION",
+        help="the version to bring back (default: the last promotion's baseline)",
+    )
     rb.add_argument("--reason", help="why, for the decision record")
     c.set_defaults(func=cmd_canary)
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
-    from sidecar.app import serve
-
     overrides: dict[str, Any] = {
-        "listen": args.listen, "upstream": args.upstream, "state_dir": args.state_dir,
+        "listen": args.listen, "upstream": args.upstream, "upstream_grpc": args.upstream_grpc, "state_dir": args.state_dir,
         "repository": args.repository, "admin_token_file": args.admin_token_file,
         "capture_dir": args.capture_dir, "capture_rate": args.capture_rate, "max_body_bytes": args.max_body_bytes,
         "retain_versions": args.retain_versions, "admin_listen": args.admin_listen,
@@ -78,6 +103,11 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
     def ready(port: int) -> None:
         err.print(f"[green]sidecar[/] listening on {config.listen_host}:{port} -> {config.upstream}")
+        if config.upstream_grpc is None:
+            err.print(
+                "[yellow]upstream_grpc is not set[/]: model loads go through Triton's HTTP API, which holds the "
+                "HTTP clients for the whole load; set it to Triton's gRPC host:port"
+            )
         if args.ready_file is not None:
             atomic_write_text(args.ready_file, str(port))
 
@@ -174,8 +204,12 @@ def _budget_cell(canary: dict[str, Any]) -> str:
     on, off, added = b.get("client_p50_mirroring_s"), b.get("client_p50_paused_s"), b.get("added")
     ms = "/".join("?" if v is None else f"{1000 * v:.3g}" for v in (on, off))
     limit = f"{100 * b['max_client_slowdown']:g}%"
-    return f"{cell} ({ms} ms, " + ("?" if added is None else f"{100 * added:+.1f}%") + f" of {limit}" + (
-        ", paused)" if b.get("phase") == "paused" else ")")
+    return (
+        f"{cell} ({ms} ms, "
+        + ("?" if added is None else f"{100 * added:+.1f}%")
+        + f" of {limit}"
+        + (", paused)" if b.get("phase") == "paused" else ")")
+    )
 
 
 def _capacity_cell(canary: dict[str, Any]) -> str:
@@ -193,7 +227,9 @@ def _memory_cell(canary: dict[str, Any]) -> str:
         return ""
     peaks = (canary.get("evidence") or {}).get("memory") or {}
     info = canary.get("memory") or {}
-    figures = "/".join("?" if peaks.get(r) is None else f"{peaks[r] / 2**20:.0f}" for r in ("candidate", "baseline"))
+    figures = "/".join(
+        "?" if peaks.get(r) is None else f"{peaks[r] / 2**20:.0f}" for r in ("candidate", "baseline")
+    )
     if info.get("kind") == "gpu":
         figures += " (GPU)"
     return figures if not info.get("unknown") else f"{figures} (unknown: {info['unknown']})"

@@ -1,10 +1,10 @@
 """Python API for the sidecar: the admin client behind `tunegate canary`, and running the sidecar as a subprocess.
 
-    with SidecarProcess(upstream=triton.http_url, state_dir=..., repository=..., token_file=...) as sc:
-        admin = AdminClient(sc.url, token)
-        admin.start("minilm", candidate=2, min_samples=200, deadline_s=120)
-        ...
-        admin.wait_decision("minilm", timeout_s=150)
+with SidecarProcess(upstream=triton.http_url, state_dir=..., repository=..., token_file=...) as sc:
+    admin = AdminClient(sc.url, token)
+    admin.start("minilm", candidate=2, min_samples=200, deadline_s=120)
+    ...
+    admin.wait_decision("minilm", timeout_s=150)
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from tunegate.errors import ServiceError
 
-class AdminError(RuntimeError):
+
+class AdminError(ServiceError):
     """The admin API answered with an error (or not at all); `status` is the HTTP status (0: unreachable)."""
 
     def __init__(self, message: str, status: int = 0) -> None:
@@ -55,9 +57,15 @@ class AdminClient:
                 msg = raw
             raise AdminError(f"{method} {path} -> {exc.code}: {msg}", exc.code) from exc
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-            raise AdminError(f"{method} {path}: sidecar unreachable at {self.url}: {exc}") from exc
+            why = getattr(exc, "reason", exc)
+            raise AdminError(
+                f"{method} {path}: sidecar unreachable at {self.url} ({why}); is `tunegate sidecar`"
+                " running there? Give its address with --url or TUNEGATE_SIDECAR_URL"
+            ) from exc
 
-    def start(self, model: str, candidate: int, tolerance: dict[str, Any] | None = None, **params: Any) -> Any:
+    def start(
+        self, model: str, candidate: int, tolerance: dict[str, Any] | None = None, **params: Any
+    ) -> Any:
         body: dict[str, Any] = {"candidate": candidate, **params}
         if tolerance is not None:
             body["tolerance"] = tolerance
@@ -102,13 +110,15 @@ class SidecarProcess:
 
     def __init__(self, *, upstream: str, state_dir: Path, repository: Path, token_file: Path | None = None,
                  listen: str = "127.0.0.1:0", extra_args: tuple[str, ...] = (), log_path: Path | None = None,
-                 start_timeout_s: float = 60.0) -> None:  # fmt: skip
+                 start_timeout_s: float = 60.0, upstream_grpc: str | None = None) -> None:  # fmt: skip
         self.args = [
-            sys.executable, "-m", "tunegate.cli", "sidecar", "--upstream", upstream, "--state-dir", str(state_dir),
+            sys.executable, "-m", "tunegate.app.cli", "sidecar", "--upstream", upstream, "--state-dir", str(state_dir),
             "--repository", str(repository), "--listen", listen, *extra_args,
         ]  # fmt: skip
         if token_file is not None:
             self.args += ["--admin-token-file", str(token_file)]
+        if upstream_grpc is not None:
+            self.args += ["--upstream-grpc", upstream_grpc]
         self.state_dir = Path(state_dir)
         self.log_path = log_path or self.state_dir / "sidecar.log"
         self.start_timeout_s = start_timeout_s
@@ -164,7 +174,9 @@ class SidecarProcess:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 

@@ -15,25 +15,23 @@ from typing import Any
 from urllib.parse import urlparse
 
 from sidecar.judge import JudgeParams
+from tunegate import validate
+from tunegate.errors import InputError
 
 LATENCY_PAIRINGS = ("primary", "shadow")
 MAX_DEADLINE_S = 7 * 86400.0
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration value that cannot be used; the message names the key."""
 
 
 def _fraction(name: str, v: float, *, open_low: bool = False) -> None:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-        raise ConfigError(f"{name} must be a number, got {v!r}")
-    if not (0.0 < v <= 1.0 if open_low else 0.0 <= v <= 1.0):
-        raise ConfigError(f"{name} must be within {'(0, 1]' if open_low else '[0, 1]'}, got {v}")
+    validate.fraction(name, v, ConfigError, open_low=open_low)
 
 
 def _positive(name: str, v: float) -> None:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(f"{name} must be a positive number, got {v!r}")
+    validate.positive(name, v, ConfigError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +41,9 @@ class CanaryParams:
     max_in_flight: int = 8  # mirror requests in flight; beyond this, drop and count
     timeout_s: float = 5.0  # a mirror request slower than this counts as a candidate timeout
     min_samples: int = 300
-    deadline_s: float = 600.0  # a baseline that disagrees with itself needs thousands of samples (benchmarks/judge_sim.py)
+    deadline_s: float = (
+        600.0  # a baseline that disagrees with itself needs thousands of samples (benchmarks/judge_sim.py)
+    )
     required_speedup: float = 1.0  # candidate must be this much faster (1.2 = 20% faster)
     latency_slack: float = 0.05  # ... give or take this fraction
     oot_budget: float = 0.005  # out-of-tolerance rate allowed above the A/A noise floor
@@ -62,7 +62,9 @@ class CanaryParams:
     # request did not and an identical candidate looks slower).
     latency_pairing: str = "shadow"
     min_duration_s: float = 30.0  # wall-clock coverage of traffic before a promotion
-    min_class_samples: int = 10  # comparisons each request class of the gate's traffic needs before a promotion
+    min_class_samples: int = (
+        10  # comparisons each request class of the gate's traffic needs before a promotion
+    )
     recent_window: int = 400  # pairs and comparisons in the judge's recent-window checks (late regressions)
     # Pin when the candidate's instances take more than this times the baseline's memory (both measured on
     # Triton's host: resident memory of the python backend's processes, or their GPU memory; sidecar.memory).
@@ -87,7 +89,9 @@ class CanaryParams:
         for name in ("timeout_s", "deadline_s", "required_speedup", "max_memory_ratio"):
             _positive(name, getattr(self, name))
         if self.deadline_s > MAX_DEADLINE_S:
-            raise ConfigError(f"deadline_s must be at most {MAX_DEADLINE_S:g} (7 days), got {self.deadline_s!r}")
+            raise ConfigError(
+                f"deadline_s must be at most {MAX_DEADLINE_S:g} (7 days), got {self.deadline_s!r}"
+            )
         w = self.warmup_s
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
             raise ConfigError(f"warmup_s must be a non-negative number, got {w!r}")
@@ -96,11 +100,15 @@ class CanaryParams:
         if not isinstance(self.confidence, float) or not 0.5 < self.confidence < 1.0:
             raise ConfigError(f"confidence must be within (0.5, 1), got {self.confidence!r}")
         if self.latency_pairing not in LATENCY_PAIRINGS:
-            raise ConfigError(f"latency_pairing must be one of {', '.join(LATENCY_PAIRINGS)}, got {self.latency_pairing!r}")
+            raise ConfigError(
+                f"latency_pairing must be one of {', '.join(LATENCY_PAIRINGS)}, got {self.latency_pairing!r}"
+            )
         s = self.max_client_slowdown
         if s is not None and (not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s)
                               or not 0.0 <= s < 10.0):  # fmt: skip
-            raise ConfigError(f"max_client_slowdown must be None or within [0, 10) (0 or None: off), got {s!r}")
+            raise ConfigError(
+                f"max_client_slowdown must be None or within [0, 10) (0 or None: off), got {s!r}"
+            )
         for name in ("budget_period_s", "budget_pause_s"):
             _positive(name, getattr(self, name))
         if self.budget_pause_s >= self.budget_period_s:
@@ -154,6 +162,9 @@ class SidecarConfig:
     upstream: str  # Triton's HTTP URL, e.g. http://triton:8000
     state_dir: Path
     repository: Path  # the model repository Triton serves (shared volume)
+    # Triton's gRPC host:port (e.g. triton:8001): model loads and unloads go there. Through Triton's HTTP API
+    # a load stalls the HTTP clients for the whole load (sidecar/control.py).
+    upstream_grpc: str | None = None
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     admin_token: str | None = None  # read from the token file at startup; None disables admin
@@ -191,7 +202,11 @@ class SidecarConfig:
     def __post_init__(self) -> None:
         u = urlparse(self.upstream)
         if u.scheme not in ("http", "https") or not u.netloc:
-            raise ConfigError(f"upstream must be an http(s) URL like http://127.0.0.1:8000, got {self.upstream!r}")
+            raise ConfigError(
+                f"upstream must be an http(s) URL like http://127.0.0.1:8000, got {self.upstream!r}"
+            )
+        if self.upstream_grpc is not None:
+            _host_port("upstream_grpc", self.upstream_grpc)
         if not 0 <= self.listen_port <= 65535:
             raise ConfigError(f"listen port must be within 0..65535, got {self.listen_port}")
         if not Path(self.repository).is_dir():
@@ -199,8 +214,16 @@ class SidecarConfig:
         for name in ("upstream_timeout_s", "judge_interval_s", "capture_max_per_second", "header_timeout_s",
                      "body_timeout_s", "keepalive_timeout_s"):  # fmt: skip
             _positive(name, getattr(self, name))
-        for name in ("max_body_bytes", "upstream_connections", "capture_max_file_bytes", "capture_max_files",
-                     "max_url_bytes", "max_header_bytes", "max_header_count", "max_connections"):
+        for name in (
+            "max_body_bytes",
+            "upstream_connections",
+            "capture_max_file_bytes",
+            "capture_max_files",
+            "max_url_bytes",
+            "max_header_bytes",
+            "max_header_count",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         _fraction("capture_rate", self.capture_rate)

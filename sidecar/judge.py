@@ -84,7 +84,9 @@ class JudgeParams:
     min_class_samples: int = 10  # comparisons each expected request class needs before a promotion
     recent_window: int = 400  # pairs (and comparisons) in the recent-window checks
     max_memory_ratio: float = 1.5  # largest candidate/baseline memory ratio (both measured) before a pin
-    min_throughput_ratio: float = 0.8  # smallest candidate/baseline capacity ratio (both measured) before a pin
+    min_throughput_ratio: float = (
+        0.8  # smallest candidate/baseline capacity ratio (both measured) before a pin
+    )
 
     @property
     def max_ratio(self) -> float:
@@ -119,7 +121,9 @@ class Evidence:
     paired_compared: int = 0  # both compared with the primary
     cand_only_oot: int = 0
     aa_only_oot: int = 0
-    primary_s: Sequence[float] = ()  # paired latencies (the most recent ones held), same request on both versions
+    primary_s: Sequence[
+        float
+    ] = ()  # paired latencies (the most recent ones held), same request on both versions
     candidate_s: Sequence[float] = ()
     pair_class: Sequence[str] = ()  # request class of each held pair ("" unknown)
     pairs_total: int = 0  # pairs ever recorded; 0 means len(primary_s)
@@ -155,7 +159,7 @@ def design_effect(blocks: Sequence[int], block: int = BLOCK) -> float:
     p = b.sum() / (b.size * block)
     if p >= 1.0:
         return 1.0
-    var_binomial = block * p * (1.0 - p)
+    var_binomial: float = block * p * (1.0 - p)
     var_observed = float(((b - block * p) ** 2).mean())
     return max(1.0, var_observed / var_binomial)
 
@@ -239,7 +243,9 @@ class _Look:
         HOLD_CONFIDENCE holds the promotion back; a noisy tail that is only as wide as its noise does not."""
         if self._tail_arrays is None or self.stats.get("latency") is None:
             return
-        _, lo, hi = _p95_bootstrap(self._tail_arrays[0].tobytes(), self._tail_arrays[1].tobytes(), 1 - HOLD_CONFIDENCE)
+        _, lo, hi = _p95_bootstrap(
+            self._tail_arrays[0].tobytes(), self._tail_arrays[1].tobytes(), 1 - HOLD_CONFIDENCE
+        )
         self.stats["latency"].update(p95_ratio_lower=lo, p95_ratio_upper=hi)
         if lo > self.limit:
             self.missing.append(f"p95 ratio {self.stats['latency']['p95_ratio']:.3f} above {self.limit:.3f} "
@@ -256,7 +262,11 @@ class _Look:
         ev, p = self.ev, self.params
         failures = ev.errors + ev.timeouts
         base = ev.aa_errors / ev.aa_sent if ev.aa_sent else 0.0
-        lo = rate_lower(failures, ev.sent, 1 - p.alpha / PIN_FAMILIES / 2) if failures >= MIN_FAIL_FAST_EVENTS else 0.0
+        lo = (
+            rate_lower(failures, ev.sent, 1 - p.alpha / PIN_FAMILIES / 2)
+            if failures >= MIN_FAIL_FAST_EVENTS
+            else 0.0
+        )
         hi = rate_upper(failures, ev.sent, 1 - p.alpha / 2)
         diff_lo, diff_hi = difference_bounds(failures, ev.sent, ev.aa_errors, ev.aa_sent, ev.cand_only_errors,
                                              ev.aa_only_errors, ev.paired_sent, p)  # fmt: skip
@@ -267,14 +277,20 @@ class _Look:
             self.pin.append(f"candidate failed {failures} of {ev.sent} requests (error rate above the baseline's "
                             f"by >= {diff_lo:.3%}, budget {p.error_budget:.3%})")  # fmt: skip
         elif diff_hi > p.error_budget:
-            self.missing.append(f"error rate not shown within budget over the baseline's (difference <= {diff_hi:.3%})")
+            self.missing.append(
+                f"error rate not shown within budget over the baseline's (difference <= {diff_hi:.3%})"
+            )
 
     def outputs(self) -> None:
         ev, p = self.ev, self.params
         aa, aa_lo, aa_hi = self.aa_oot_bounds
         deff = design_effect(ev.blocks)
         k, n = ev.out_of_tolerance / deff, ev.compared / deff
-        lo = rate_lower(k, n, 1 - p.alpha / PIN_FAMILIES / 2) if ev.out_of_tolerance >= MIN_FAIL_FAST_EVENTS else 0.0
+        lo = (
+            rate_lower(k, n, 1 - p.alpha / PIN_FAMILIES / 2)
+            if ev.out_of_tolerance >= MIN_FAIL_FAST_EVENTS
+            else 0.0
+        )
         hi = rate_upper(k, n, 1 - p.alpha / 2)
         diff_lo, diff_hi = difference_bounds(k, n, ev.aa_out_of_tolerance, ev.aa_compared, ev.cand_only_oot / deff,
                                              ev.aa_only_oot / deff, ev.paired_compared / deff, p)  # fmt: skip
@@ -350,7 +366,7 @@ class _Look:
     @staticmethod
     def _persists_tail(far_above: npt.NDArray[np.bool_]) -> bool:
         """The newer half of the far pairs (in arrival order) leans above the limit too."""
-        newer = far_above[far_above.size // 2:]
+        newer = far_above[far_above.size // 2 :]
         return newer.size > 0 and rate_lower(int(newer.sum()), newer.size, HOLD_CONFIDENCE) > 0.5
 
     @staticmethod
@@ -358,7 +374,7 @@ class _Look:
         """Enough pairs for a latency pin, and the newer half shows the slowdown too (at HOLD_CONFIDENCE)."""
         if flags.size < least:
             return False
-        newer = flags[flags.size // 2:]
+        newer = flags[flags.size // 2 :]
         return rate_lower(int(newer.sum()), newer.size, HOLD_CONFIDENCE) > 0.5
 
     def _latency_by_class(self, ratio: npt.NDArray[np.float64], n: int) -> None:
@@ -377,14 +393,20 @@ class _Look:
                 continue
             s = int((r > self.limit).sum())
             lo = rate_lower(s, r.size, conf) if s / r.size > 0.5 else 0.0
-            per.setdefault(cls, {}).update(pairs=int(r.size), p50_ratio=float(np.median(r)), share_above_lower=lo)
+            per.setdefault(cls, {}).update(
+                pairs=int(r.size), p50_ratio=float(np.median(r)), share_above_lower=lo
+            )
             if lo > 0.5 and self._persists(r > self.limit, MIN_PIN_PAIRS // 4):
                 self.pin.append(f"candidate is slower on request class {cls}: p50 ratio {np.median(r):.3f} > "
                                 f"allowed {self.limit:.3f} ({s} of {r.size} pairs above it)")  # fmt: skip
             elif s / r.size > 0.5 and rate_lower(s, r.size, HOLD_CONFIDENCE) > 0.5:
-                self.missing.append(f"request class {cls}: p50 ratio {np.median(r):.3f} above {self.limit:.3f}")
+                self.missing.append(
+                    f"request class {cls}: p50 ratio {np.median(r):.3f} above {self.limit:.3f}"
+                )
 
-    def _tail(self, prim: npt.NDArray[np.float64], cand: npt.NDArray[np.float64], lat: dict[str, Any]) -> None:
+    def _tail(
+        self, prim: npt.NDArray[np.float64], cand: npt.NDArray[np.float64], lat: dict[str, Any]
+    ) -> None:
         """Pairs far above the limit against pairs as far below it: a tail regression shows up as outliers.
 
         Centred on the limit, a candidate within it (and noise that hits both versions alike) has no more pairs
@@ -400,7 +422,12 @@ class _Look:
         lo = rate_lower(up, up + down, self.params.pin_confidence) if up > down else 0.0
         lat.update(p95_ratio=point, tail_pairs_above=up, tail_pairs_below=down, tail_share_lower=lo)
         far = ratio[(ratio > self.limit * TAIL_FACTOR) | (ratio < self.limit / TAIL_FACTOR)] > self.limit
-        if up >= MIN_FAIL_FAST_EVENTS and lo > 0.5 and ratio.size >= MIN_PIN_PAIRS and self._persists_tail(far):
+        if (
+            up >= MIN_FAIL_FAST_EVENTS
+            and lo > 0.5
+            and ratio.size >= MIN_PIN_PAIRS
+            and self._persists_tail(far)
+        ):
             self.pin.append(f"candidate is slower in the tail: {up} pairs above {self.limit * TAIL_FACTOR:.2f}x "
                             f"against {down} below {self.limit / TAIL_FACTOR:.2f}x (p95 ratio {point:.3f})"
                             + self._tail_class(ratio))  # fmt: skip
@@ -418,12 +445,18 @@ class _Look:
             return ""
         up = ratio > self.limit * TAIL_FACTOR
         down = ratio < self.limit / TAIL_FACTOR
-        excess = {str(c): int(up[labels == c].sum()) - int(down[labels == c].sum()) for c in set(labels.tolist()) if c}
+        excess = {
+            str(c): int(up[labels == c].sum()) - int(down[labels == c].sum())
+            for c in set(labels.tolist())
+            if c
+        }
         total = int(up.sum()) - int(down.sum())
         if not excess or total <= 0:
             return ""
         cls, most = max(excess.items(), key=lambda kv: kv[1])
-        share = float((labels == cls).mean())  # a class holds its share of any excess by chance: name it well above
+        share = float(
+            (labels == cls).mean()
+        )  # a class holds its share of any excess by chance: name it well above
         if most / total <= share + (1.0 - share) / 2:
             return ""
         return f"; most of the excess in request class {cls} ({most} of {total})"
@@ -436,15 +469,25 @@ class _Look:
         end = n - (total - j * step)
         if total < w or end - w < 0:
             return
-        window = ratio[end - w:end]
+        window = ratio[end - w : end]
         s = int((window > self.limit).sum())
-        lo = 0.0 if s / w <= 0.5 else rate_lower(s, w, 1 - _spent(self.params.alpha / PIN_FAMILIES / 2, max(1, j - 1)))
-        self.stats["latency"]["recent"] = {"pairs": w, "p50_ratio": float(np.median(window)), "share_above_lower": lo}
+        lo = (
+            0.0
+            if s / w <= 0.5
+            else rate_lower(s, w, 1 - _spent(self.params.alpha / PIN_FAMILIES / 2, max(1, j - 1)))
+        )
+        self.stats["latency"]["recent"] = {
+            "pairs": w,
+            "p50_ratio": float(np.median(window)),
+            "share_above_lower": lo,
+        }
         if lo > 0.5 and self._persists(window > self.limit):
             self.pin.append(f"candidate became slower: p50 ratio {np.median(window):.3f} over the last {w} pairs "
                             f"> allowed {self.limit:.3f}")  # fmt: skip
         elif s / w > 0.5 and rate_lower(s, w, HOLD_CONFIDENCE) > 0.5:
-            self.missing.append(f"the last {w} pairs' p50 ratio {np.median(window):.3f} is above {self.limit:.3f}")
+            self.missing.append(
+                f"the last {w} pairs' p50 ratio {np.median(window):.3f} is above {self.limit:.3f}"
+            )
 
     def recent_outputs(self) -> None:
         ev, p = self.ev, self.params
@@ -454,7 +497,7 @@ class _Look:
         if nb < per:
             return
         j = nb // step
-        window = ev.blocks[j * step - per:j * step]
+        window = ev.blocks[j * step - per : j * step]
         if len(window) < per:
             return
         k, n = int(sum(window)), per * BLOCK
@@ -493,7 +536,9 @@ class _Look:
         if ev.compared < p.min_samples:
             self.missing.insert(0, f"only {ev.compared} of {p.min_samples} samples compared")
         if ev.started is not None and self.now - ev.started < p.min_duration_s:
-            self.missing.insert(0, f"only {self.now - ev.started:.0f} s of {p.min_duration_s:g} s of traffic seen")
+            self.missing.insert(
+                0, f"only {self.now - ev.started:.0f} s of {p.min_duration_s:g} s of traffic seen"
+            )
 
 
 def judge(ev: Evidence, params: JudgeParams, *, now: float, deadline: float) -> Judgement:

@@ -5,10 +5,16 @@ these (and Triton's own `nv_*`). Change one here and there together.
 
 Roles: `primary` (the client path), `candidate` (the mirror), `aa` (the baseline replayed for the
 noise floor).
+
+A scrape renders in a worker thread (`SidecarMetrics.render`), never on the event loop, and concurrent
+scrapes share one rendering: the client path does not wait for a scrape, however many come. The loop
+families are read there without a lock: copying a dict's items or a list of counts is one step under the
+interpreter's lock, and a histogram's count and buckets come from the same copy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import os
@@ -16,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -60,7 +66,9 @@ class _LoopFamily:
     cost ~12 us per mirrored request (py-spy), a twentieth of the sidecar's CPU for it.
     """
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
+    ) -> None:
         self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
         self._children: dict[tuple[str, ...], Any] = {}
         registry.register(self)
@@ -76,13 +84,18 @@ class _LoopFamily:
         if child is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-            if not all(type(v) is str for v in values):  # as prometheus_client does; strings are looked up as they are
+            if not all(
+                type(v) is str for v in values
+            ):  # as prometheus_client does; strings are looked up as they are
                 return self.labels(*map(str, values))
             child = self._children[values] = self._child()
         return child
 
     def describe(self) -> Iterator[Metric]:
         yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        raise NotImplementedError
 
 
 class LoopCounter(_LoopFamily):
@@ -121,7 +134,7 @@ class LoopHistogram(_LoopFamily):
             counts, total, cumulative = list(child.counts), 0, []
             for bound, n in zip((*self.bounds, float("inf")), counts, strict=True):
                 total += n
-                cumulative.append((floatToGoString(bound), total))
+                cumulative.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
             family.add_metric(values, cumulative, child.sum)
         yield family
 
@@ -143,6 +156,7 @@ def repository_models(repository: Path) -> dict[str, frozenset[str]]:
 class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._rendering: asyncio.Future[bytes] | None = None
         self._children: dict[tuple[str, str, str, int], tuple[_Count, _Observations]] = {}
         self.known: dict[str, frozenset[str]] = {}  # model -> version directories (set_known)
         # The client and mirror paths' metrics (per request): loop-only, lock-free.
@@ -202,7 +216,10 @@ class SidecarMetrics:
             ["model", "state"], registry=registry,
         )  # fmt: skip
         self.live_version = Gauge(
-            "tunegate_live_version", "Version serving unversioned client requests.", ["model"], registry=registry
+            "tunegate_live_version",
+            "Version serving unversioned client requests.",
+            ["model"],
+            registry=registry,
         )
         self.candidate_version = Gauge(
             "tunegate_candidate_version", "Version under canary (0 when none).", ["model"], registry=registry
@@ -247,6 +264,16 @@ class SidecarMetrics:
             "tunegate_last_decision_timestamp_seconds", "When the last decision of each outcome was made.",
             ["model", "outcome"], registry=registry,
         )  # fmt: skip
+
+    async def render(self) -> bytes:
+        """The text exposition, rendered off the event loop; a scrape that comes during a rendering shares it."""
+        if self._rendering is None:
+            self._rendering = asyncio.ensure_future(asyncio.to_thread(generate_latest, self.registry))
+            self._rendering.add_done_callback(self._rendered)
+        return await asyncio.shield(self._rendering)
+
+    def _rendered(self, _: asyncio.Future[bytes]) -> None:
+        self._rendering = None
 
     def set_known(self, known: dict[str, frozenset[str]]) -> None:
         """The models the repository holds and their version directories: only these get series of their own."""

@@ -13,7 +13,7 @@ import dataclasses
 import re
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from sidecar.upstream import UpstreamResponse
@@ -75,37 +75,6 @@ def payload(resp: UpstreamResponse) -> tuple[bytes, int | None]:
     return resp.body, hl
 
 
-CLASS_PARSE_MAX_BYTES = 64 << 10  # a JSON body bigger than this is not parsed for its class (binary ones always are)
-
-
-def request_class(body: bytes, headers: Sequence[tuple[bytes, bytes]]) -> str:
-    """A request's class for the judge: batch size and sequence bucket of its first input ("b4xs64"), "" unknown.
-
-    The judge pins a candidate that is slower, or out of tolerance, on one class alone (the long-tail shapes
-    a benchmark's average hides). Sequences are bucketed by powers of two so classes stay few.
-    """
-    hl = None
-    for name, value in headers:
-        if name.lower() == b"inference-header-content-length":
-            try:
-                hl = int(value)
-            except ValueError:
-                return ""
-            break
-    if hl is None and len(body) > CLASS_PARSE_MAX_BYTES:
-        return ""
-    try:
-        header, _ = codec.split_body(body, hl)
-        shape = header["inputs"][0]["shape"]
-        batch = int(shape[0])
-    except (codec.CodecError, KeyError, IndexError, TypeError, ValueError):
-        return ""
-    if len(shape) < 2:
-        return f"b{batch}"
-    seq = max(1, int(shape[1]))
-    return f"b{batch}xs{1 << (seq - 1).bit_length()}"
-
-
 @dataclasses.dataclass(slots=True)
 class Comparison:
     passed: bool
@@ -139,7 +108,9 @@ def _same_from_outputs(plain: bytes, hl: int | None, other: bytes, other_hl: int
     )
 
 
-def _identical_outputs(header: Mapping[str, Any], plain: bytes, hl: int | None, other: UpstreamResponse) -> bool:
+def _identical_outputs(
+    header: Mapping[str, Any], plain: bytes, hl: int | None, other: UpstreamResponse
+) -> bool:
     """Would the other response decode to exactly the primary's outputs? Decided on raw bytes where the heads
     are as Triton writes them, else on the parsed JSON (type for type) and the binary tail."""
     try:
@@ -194,7 +165,11 @@ def compare_responses(primary: UpstreamResponse | Reference | Comparison, other:
     ref = reference(primary) if isinstance(primary, UpstreamResponse) else primary
     if isinstance(ref, Comparison):
         return ref
-    if fast and _identical_outputs(ref.header, ref.plain, ref.header_length, other) and ref.passes_identical(spec):
+    if (
+        fast
+        and _identical_outputs(ref.header, ref.plain, ref.header_length, other)
+        and ref.passes_identical(spec)
+    ):
         return Comparison(True, {name: True for name in ref.arrays}, ())
     try:
         cand = codec.decode_response(*payload(other)).arrays()

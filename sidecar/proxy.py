@@ -67,9 +67,13 @@ INFER_PATH = re.compile(rb"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 _MODEL = rb"/v2/models/(?P<model>[^/]+)(?:/versions/[0-9]+)?"
 SHADOW_SUFFIX_BYTES = SHADOW_SUFFIX.encode()
 HEADER_LENGTH = codec.HEADER.lower().encode()
-# Triton answers 500 to an infer body it cannot parse as JSON; the sidecar answers it as the 400 it is.
-TRITON_PARSE_ERROR = b'{"error":"failed to parse the request JSON buffer'
-CLIENT_READ = re.compile(rb"^(?:/v2|/v2/health/(?:live|ready)|/v2/models/stats|" + _MODEL + rb"(?:/ready|/config|/stats)?)$")
+# Triton answers 500 to an infer body it cannot parse as JSON, or whose JSON lacks or misspells a field of the
+# request format ("Unable to parse 'inputs'", 'data', 'binary_data_size', ...: HTTPAPIServer's request parsing);
+# the sidecar answers it as the 400 it is, Triton's message kept.
+TRITON_PARSE_ERRORS = (b'{"error":"failed to parse the request JSON buffer', b'{"error":"Unable to parse ')
+CLIENT_READ = re.compile(
+    rb"^(?:/v2|/v2/health/(?:live|ready)|/v2/models/stats|" + _MODEL + rb"(?:/ready|/config|/stats)?)$"
+)
 CLIENT_POST = re.compile(rb"^(?:/v2/repository/index|" + _MODEL + rb"/(?:infer|generate|generate_stream))$")
 LINGER_S = 2.0  # after answering a request the connection cannot go on from, input is discarded this long
 SMALL_BODY = 64 << 10  # response bodies up to this size are joined with the head
@@ -154,7 +158,9 @@ class _ClientConnection(asyncio.Protocol):
         self._began = False  # a request began in the read being parsed
         self._header_bytes = 0
         self.phase = IDLE
-        self.deadline = time.monotonic() + front.config.header_timeout_s  # the first request must begin by then
+        self.deadline: float | None = (
+            time.monotonic() + front.config.header_timeout_s
+        )  # the first request must begin by then
         self.over_cap = False  # accepted beyond max_connections: health checks only
         self.half_closed = False  # the client sent EOF: close once the answers owed are written
 
@@ -315,7 +321,12 @@ class _ClientConnection(asyncio.Protocol):
             return
         if self.phase == ANSWERING and not self.queue:
             self.phase, self.deadline = IDLE, time.monotonic() + self.front.config.keepalive_timeout_s
-        if self.paused and len(self.queue) < MAX_PIPELINED // 2 and not self.closing and self.transport is not None:
+        if (
+            self.paused
+            and len(self.queue) < MAX_PIPELINED // 2
+            and not self.closing
+            and self.transport is not None
+        ):
             self.paused = False
             self.transport.resume_reading()
         self._next()
@@ -366,7 +377,9 @@ class Front:
         self.capture = app.get(CAPTURE)
         self.connections: set[_ClientConnection] = set()
         self._ids = random.Random()  # seeded from the OS once
-        self.max_connections = min(self.config.max_connections, open_files_room(self.config.upstream_connections))
+        self.max_connections = min(
+            self.config.max_connections, open_files_room(self.config.upstream_connections)
+        )
         self._sweeper: asyncio.TimerHandle | None = None
 
     def start_sweeping(self) -> None:
@@ -400,7 +413,11 @@ class Front:
         if req.method == b"POST":
             m = INFER_PATH.match(path)
             if m is not None:
-                if m.group(1).endswith(SHADOW_SUFFIX_BYTES) or b"%" in m.group(1) and client_refusal(req.method, path):
+                if (
+                    m.group(1).endswith(SHADOW_SUFFIX_BYTES)
+                    or b"%" in m.group(1)
+                    and client_refusal(req.method, path)
+                ):
                     conn.answered(req, error(403, "a canary's shadow model is the sidecar's own: it serves no client",
                                              req.keep_alive))  # fmt: skip
                     return
@@ -414,10 +431,18 @@ class Front:
             self.passthrough(self.triton, req, conn)
             return
         if self.config.admin_listen is not None and path.startswith(ADMIN_PREFIXES):
-            conn.answered(req, error(404, "not found: the admin API listens on an address of its own", req.keep_alive))
+            conn.answered(
+                req, error(404, "not found: the admin API listens on an address of its own", req.keep_alive)
+            )
             return
-        peer = b"" if conn.transport is None else str((conn.transport.get_extra_info("peername") or ("",))[0]).encode()
-        headers = [(k, v) for k, v in req.forward_headers() if k.lower() != _PEER] + [(PEER_HEADER.encode(), peer)]
+        peer = (
+            b""
+            if conn.transport is None
+            else str((conn.transport.get_extra_info("peername") or ("",))[0]).encode()
+        )
+        headers = [(k, v) for k, v in req.forward_headers() if k.lower() != _PEER] + [
+            (PEER_HEADER.encode(), peer)
+        ]
         self.passthrough(self.admin, req, conn, headers)
 
     def _upstream_error(self, exc: BaseException, req: Request, conn: _ClientConnection) -> None:
@@ -433,13 +458,17 @@ class Front:
 
     def passthrough(self, pool: UpstreamPool, req: Request, conn: _ClientConnection,
                     headers: list[tuple[bytes, bytes]] | None = None) -> None:  # fmt: skip
-        head = req.method == b"HEAD"  # asked upstream as GET: the response parser cannot tell a HEAD answer's end
+        head = (
+            req.method == b"HEAD"
+        )  # asked upstream as GET: the response parser cannot tell a HEAD answer's end
 
         def done(resp: UpstreamResponse | None, exc: BaseException | None) -> None:
             if resp is None:
                 self._upstream_error(exc or UpstreamError("no answer"), req, conn)
                 return
-            conn.answered(req, render(resp.status, resp.reason, resp.headers, resp.body, req.keep_alive, head_only=head))
+            conn.answered(
+                req, render(resp.status, resp.reason, resp.headers, resp.body, req.keep_alive, head_only=head)
+            )
 
         body = req.body if req.body or req.method in (b"POST", b"PUT") else None
         pool.send(b"GET" if head else req.method, req.url, req.forward_headers() if headers is None else headers, body,
@@ -482,8 +511,9 @@ class Front:
                 self.metrics.observe_request(model, routed, "primary", 504 if timeout else 502, None)
                 return
             seconds = time.perf_counter() - t0
-            if resp.status == 500 and resp.body.startswith(TRITON_PARSE_ERROR):
-                resp.status, resp.reason = 400, b"Bad Request"  # the client's body, not the server, is at fault
+            if resp.status == 500 and resp.body.startswith(TRITON_PARSE_ERRORS):
+                # the client's body, not the server, is at fault
+                resp.status, resp.reason = 400, b"Bad Request"
             # The client's answer goes out first; bookkeeping and the mirror offer follow it.
             conn.answered(req, render(resp.status, resp.reason, resp.headers, resp.body, req.keep_alive))
             self.metrics.observe_request(model, routed, "primary", resp.status, seconds)
@@ -494,7 +524,9 @@ class Front:
                 request_id = self.request_id()  # names this request in exemplars and captures
                 self.manager.offer(model, req.body, req.headers, resp, seconds, request_id)
             if self.capture is not None and self.manager.sample(self.config.capture_rate):
-                self._capture(req, model, routed if version is not None else None, request_id or self.request_id())
+                self._capture(
+                    req, model, routed if version is not None else None, request_id or self.request_id()
+                )
 
         self.triton.send(b"POST", target, req.forward_headers(), req.body, done)
 
@@ -520,8 +552,6 @@ class Front:
                 conn.transport.close()
 
 
-
-
 def open_files_room(upstream_connections: int) -> int:
     """Client connections the open-files limit leaves room for, after the upstream pool, the health-check reserve
     and files; the soft limit is raised to the hard one first (as nginx's worker_rlimit_nofile would be set)."""
@@ -538,13 +568,15 @@ def open_files_room(upstream_connections: int) -> int:
 
 def client_refusal(method: bytes, path: bytes) -> str:
     """Why the client path refuses a /v2 request ("" when it forwards it): see CLIENT_READ and CLIENT_POST."""
-    m = (CLIENT_POST if method == b"POST" else CLIENT_READ if method in (b"GET", b"HEAD") else None)
+    m = CLIENT_POST if method == b"POST" else CLIENT_READ if method in (b"GET", b"HEAD") else None
     found = m.match(path) if m is not None else None
     if found is None:
         if path.startswith(b"/v2/repository/models/"):
             return "model control goes through the sidecar's admin API (/canary), not through the proxy"
-        return (f"{method.decode('latin-1')} {path.decode('latin-1')[:200]} is not part of what the sidecar forwards "
-                "(inference, metadata, config, readiness, statistics, health, repository index)")
+        return (
+            f"{method.decode('latin-1')} {path.decode('latin-1')[:200]} is not part of what the sidecar forwards "
+            "(inference, metadata, config, readiness, statistics, health, repository index)"
+        )
     model = found.group("model")
     if model is not None and unquote(model.decode("latin-1")).endswith(SHADOW_SUFFIX):
         return "a canary's shadow model is the sidecar's own: it serves no client"
@@ -570,8 +602,8 @@ def shape_refusal(body: bytes, header_length: int | None) -> str:
         hi = head.find(b"]", lo)
         if lo < 0 or hi < 0 or head[at:lo].strip(b" \t\r\n:"):
             continue  # "shape" as some other value; Triton answers what it is
-        text = head[lo:hi + 1].decode("latin-1")[:100]
-        inner = head[lo + 1:hi].strip()
+        text = head[lo : hi + 1].decode("latin-1")[:100]
+        inner = head[lo + 1 : hi].strip()
         try:
             dims = [int(d) for d in inner.split(b",")] if inner else []
         except ValueError:

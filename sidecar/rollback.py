@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -33,9 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 from sidecar.control import SHADOW_SUFFIX, ControlError, TritonControl
 from sidecar.state import StateStore
+from tunegate.errors import TunegateError
+from tunegate.procs import kill_point
 from tunegate.repository import versions
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the manager calls the rollback: a type-only import
     from sidecar.canary import CanaryManager
 
 LOG = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ MAX_VERSION = (1 << 63) - 1  # Triton's versions are int64
 KILL_AT_ENV = "TUNEGATE_TEST_ROLLBACK_KILL_AT"
 
 
-class RollbackError(Exception):
+class RollbackError(TunegateError):
     """A rollback request that cannot be served; `status` is the HTTP status to answer with."""
 
     def __init__(self, message: str, status: int = 400) -> None:
@@ -129,9 +129,7 @@ def _record_for(store: StateStore, rollback_id: str) -> dict[str, Any] | None:
 
 
 def _test_kill(point: str) -> None:
-    if os.environ.get(KILL_AT_ENV) == point:
-        LOG.warning("%s=%s: killing this process (crash test)", KILL_AT_ENV, point)
-        os.kill(os.getpid(), signal.SIGKILL)
+    kill_point(KILL_AT_ENV, point)
 
 
 async def rollback(mgr: CanaryManager, model: str, body: Any) -> dict[str, Any]:

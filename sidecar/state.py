@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from sidecar.judge import BLOCK, Evidence
+from tunegate.errors import ServiceError
 from tunegate.records import JsonlLog, atomic_write_bytes, atomic_write_json
 
 # orjson: json.dumps with an indent runs the pure-Python encoder, ~9 ms per save with 4000 latency pairs,
@@ -30,7 +31,7 @@ MAX_BLOCKS = 20_000  # a million comparisons of history for the design effect
 MAX_CLASSES = 64  # request classes with their own counts; the rest share "other"
 
 
-class StateError(RuntimeError):
+class StateError(ServiceError):
     """The state file exists but cannot be used (the message says how to recover)."""
 
 
@@ -57,16 +58,24 @@ class EvidenceCounter:
     candidate_s: list[float] = dataclasses.field(default_factory=list)
     pair_class: list[str] = dataclasses.field(default_factory=list)
     pairs_total: int = 0
-    blocks: list[int] = dataclasses.field(default_factory=list)  # out-of-tolerance count per BLOCK comparisons
+    blocks: list[int] = dataclasses.field(
+        default_factory=list
+    )  # out-of-tolerance count per BLOCK comparisons
     block_compared: int = 0  # comparisons in the block being filled
     block_oot: int = 0
     classes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # class -> [compared, oot]
     expected_classes: dict[str, float] = dataclasses.field(default_factory=dict)
     started: float | None = None
     exemplars: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    memory: dict[str, float] = dataclasses.field(default_factory=dict)  # role -> peak bytes seen (sidecar.memory)
-    throughput: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # sidecar.throughput, since warm-up
-    skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> sampled requests not mirrored
+    memory: dict[str, float] = dataclasses.field(
+        default_factory=dict
+    )  # role -> peak bytes seen (sidecar.memory)
+    throughput: dict[str, list[int]] = dataclasses.field(
+        default_factory=dict
+    )  # sidecar.throughput, since warm-up
+    skipped: dict[str, int] = dataclasses.field(
+        default_factory=dict
+    )  # reason -> sampled requests not mirrored
 
     def add_pair(self, primary_s: float, candidate_s: float, request_class: str = "") -> None:
         """Keep the most recent MAX_LATENCY_PAIRS pairs (the lists run up to twice that between trims: a trim per
@@ -159,7 +168,11 @@ class StateStore:
                 f"{self.path} cannot be read ({exc}); it is written atomically, so this is not a torn write: "
                 "inspect it, or move it away to start with no live versions and no canary"
             ) from exc
-        if not isinstance(data, dict) or data.get("version") != STATE_VERSION or not isinstance(data.get("models"), dict):
+        if (
+            not isinstance(data, dict)
+            or data.get("version") != STATE_VERSION
+            or not isinstance(data.get("models"), dict)
+        ):
             raise StateError(f"{self.path} is not a tunegate sidecar state file (version {STATE_VERSION})")
         return data
 
@@ -188,7 +201,10 @@ class StateStore:
         the loop, never mutated in place, once put here. A JSON round trip here cost ~10 ms per judge tick on
         the event loop with 4000 latency pairs: the client path's p99 showed it.
         """
-        models = {m: {k: dict(v) if isinstance(v, dict) else v for k, v in ms.items()} for m, ms in self.models().items()}
+        models = {
+            m: {k: dict(v) if isinstance(v, dict) else v for k, v in ms.items()}
+            for m, ms in self.models().items()
+        }
         return {**self.data, "models": models}
 
     def decision_for(self, canary_id: str) -> dict[str, Any] | None:

@@ -24,10 +24,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from tunegate.errors import InputError
+
 MIN_INFERENCES = 200  # per version in the window before a capacity is judged
 
 
-class StatsError(ValueError):
+class StatsError(InputError):
     """Triton's statistics or config answer lacks what a capacity needs."""
 
 
@@ -80,7 +82,10 @@ def capacity(window: ComputeReading, instances: int) -> float | None:
 
 def evidence(windows: Mapping[str, ComputeReading], instances: Mapping[str, int]) -> dict[str, list[int]]:
     """role -> [inferences, executions, compute_ns, instances]: what the canary's evidence keeps (JSON-able)."""
-    return {role: [w.inferences, w.executions, w.compute_ns, instances.get(role, 1)] for role, w in windows.items()}
+    return {
+        role: [w.inferences, w.executions, w.compute_ns, instances.get(role, 1)]
+        for role, w in windows.items()
+    }
 
 
 def figures(held: Mapping[str, Any]) -> dict[str, Any]:

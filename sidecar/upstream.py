@@ -2,7 +2,7 @@
 
 The client path and the mirror send every request through this pool. It is an asyncio Protocol with
 llhttp (httptools) parsing the response: a proxied request costs a few tens of microseconds of Python,
-where aiohttp's client took several hundred (profiled in session 1; `benchmarks/sidecar_vs_nginx.py`).
+where aiohttp's client took several hundred (py-spy profiles; `benchmarks/sidecar_vs_nginx.py`).
 Nothing is decoded: the response comes back as status, raw header pairs and the body bytes.
 
 `send()` is callback-based (no task, future or semaphore per request: the client path's cost at c=1
@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 
 import httptools
 
+from tunegate.errors import TunegateError
+
 LOG = logging.getLogger(__name__)
 Headers = Sequence[tuple[bytes, bytes]]
 COALESCE_BYTES = 256 << 10  # bodies up to this size are sent in one write with the head (copying is cheaper)
@@ -37,7 +39,7 @@ def find_header(headers: Headers, name: bytes) -> bytes | None:
     return None
 
 
-class UpstreamError(Exception):
+class UpstreamError(TunegateError):
     """The upstream could not be reached, broke the connection or sent something that is not HTTP."""
 
 
@@ -326,4 +328,6 @@ class UpstreamPool:
                 conn.close()
         self._idle.clear()
         while self._waiting:
-            self.loop.call_soon(self._end, self._waiting.popleft(), UpstreamError("the sidecar is shutting down"))
+            self.loop.call_soon(
+                self._end, self._waiting.popleft(), UpstreamError("the sidecar is shutting down")
+            )

@@ -22,7 +22,9 @@ from tunegate.tolerance import ToleranceSpec, identical_passes
 DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT32": np.int32, "BOOL": np.bool_}
 
 
-def answer(outputs: dict[str, np.ndarray], *, binary: bool, version: str = "1", extra: dict | None = None) -> UpstreamResponse:
+def answer(
+    outputs: dict[str, np.ndarray], *, binary: bool, version: str = "1", extra: dict | None = None
+) -> UpstreamResponse:
     """As Triton writes it ({"model_name":..,"model_version":..,"outputs":..}); `extra` members go first."""
     body, hl = codec.encode_response(outputs, model_name="m", model_version=version, binary=binary)
     if extra:
@@ -48,7 +50,9 @@ def spec_for(metric: str, threshold: float, statistic: str = "max") -> Tolerance
 
 @pytest.mark.parametrize("binary", [False, True])
 @pytest.mark.parametrize("head", ["triton", "other"])
-def test_identical_outputs_skip_decoding_and_metrics(binary: bool, head: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_identical_outputs_skip_decoding_and_metrics(
+    binary: bool, head: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Triton's own head is checked on raw bytes; any other head (here a "parameters" member first, with an
     escaped quote) through the parsed JSON. Either way the candidate is not decoded and no metric computed."""
     out = {"y": np.linspace(-3, 3, 32, dtype=np.float32).reshape(2, 16), "k": np.arange(6, dtype=np.int32)}
@@ -70,7 +74,11 @@ def test_a_changed_value_is_compared_in_full(binary: bool) -> None:
     y = np.linspace(0, 1, 16, dtype=np.float32)
     bad = y.copy()
     bad[3] += 0.5
-    cmp = both(answer({"y": y}, binary=binary), answer({"y": bad}, binary=binary, version="2"), spec_for("linf", 1e-3))
+    cmp = both(
+        answer({"y": y}, binary=binary),
+        answer({"y": bad}, binary=binary, version="2"),
+        spec_for("linf", 1e-3),
+    )
     assert not cmp.passed and cmp.outputs == {"y": False}
     assert "linf" in cmp.reasons[0]
 
@@ -78,7 +86,9 @@ def test_a_changed_value_is_compared_in_full(binary: bool) -> None:
 def test_identical_nan_and_inf_are_left_to_the_full_compare() -> None:
     y = np.array([1.0, np.nan, np.inf, 2.0], dtype=np.float32)
     for metric in ("linf", "l0"):
-        cmp = both(answer({"y": y}, binary=True), answer({"y": y}, binary=True, version="2"), spec_for(metric, 0.5))
+        cmp = both(
+            answer({"y": y}, binary=True), answer({"y": y}, binary=True, version="2"), spec_for(metric, 0.5)
+        )
         # linf of inf - inf is NaN: identical outputs still fail; l0 treats them as matching
         assert cmp.passed is (metric == "l0")
 
@@ -87,7 +97,9 @@ def test_a_head_json_would_reject_is_not_identical() -> None:
     """A control byte in a head value: the byte check must not call it identical (json.loads rejects it)."""
     primary = answer({"y": np.ones(4, dtype=np.float32)}, binary=False)
     i = primary.body.index(b'"outputs":')
-    other = UpstreamResponse(200, b"OK", primary.headers, b'{"model_name":"m","model_version":"2\x01",' + primary.body[i:])
+    other = UpstreamResponse(
+        200, b"OK", primary.headers, b'{"model_name":"m","model_version":"2\x01",' + primary.body[i:]
+    )
     assert not mirror._same_from_outputs(primary.body, None, other.body, None)
     cmp = both(primary, other, spec_for("linf", 0.1))
     assert not cmp.passed and "not decodable" in cmp.reasons[0]
@@ -133,14 +145,18 @@ def cases(draw: st.DrawFn) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]
         flat[i] = (not flat[i]) if dt == "BOOL" else flat[i] + 1
     metric = draw(METRICS)
     hi = metric in ("cosine", "topk")
-    threshold = draw(st.sampled_from([0.0, 0.5, 0.999, 1.0] if hi or metric == "l0" else [-1.0, 0.0, 1e-6, 2.0]))
+    threshold = draw(
+        st.sampled_from([0.0, 0.5, 0.999, 1.0] if hi or metric == "l0" else [-1.0, 0.0, 1e-6, 2.0])
+    )
     statistic = draw(st.sampled_from(["max", "mean", "quantile"]))
     return {"y": y}, {"y": cand}, draw(st.booleans()), spec_for(metric, threshold, statistic)
 
 
 @settings(max_examples=300, deadline=None)
 @given(cases())
-def test_fast_and_full_paths_agree(case: tuple[dict[str, np.ndarray], dict[str, np.ndarray], bool, ToleranceSpec]) -> None:
+def test_fast_and_full_paths_agree(
+    case: tuple[dict[str, np.ndarray], dict[str, np.ndarray], bool, ToleranceSpec],
+) -> None:
     ref, cand, binary, spec = case
     with np.errstate(all="ignore"):
         both(answer(ref, binary=binary), answer(cand, binary=binary, version="2"), spec)

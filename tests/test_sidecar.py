@@ -40,12 +40,17 @@ MODELS = {
     "promofail": {2: {}},
     "plain": {2: {}},
     "bigswap": {2: {"load_s": 2.0}},  # a big engine: slow to load, and its baseline slow to unload
+    "bigload": {2: {"load_s": 2.0}},  # loaded (shadow, promotion) while another model's clients are served
     "pairgood": {2: {"noise": 1e-5}},  # judged with shadow latency pairing under saturation
     "pairslow": {2: {"delay_ms": 20}},
     "defsame": {2: {"work": 20_000}},  # identical to its baseline (BASELINES), judged with default parameters
     "defslow": {2: {"work": 200_000}},  # the same model doing ten times the CPU work (about 3 ms more)
 }
-BASELINES = {"bigswap": {"delay_ms": 5, "unload_s": 2.0}, "defsame": {"work": 20_000}, "defslow": {"work": 20_000}}
+BASELINES = {
+    "bigswap": {"delay_ms": 5, "unload_s": 2.0},
+    "defsame": {"work": 20_000},
+    "defslow": {"work": 20_000},
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +63,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def triton(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
-    server = EmbeddedTriton(TritonOptions(repository=repo, models=tuple(MODELS)), workdir=tmp_path_factory.mktemp("t"))
+    server = EmbeddedTriton(
+        TritonOptions(repository=repo, models=tuple(MODELS)), workdir=tmp_path_factory.mktemp("t")
+    )
     server.start()
     yield server
     server.stop()
@@ -72,11 +79,14 @@ class Sidecar:
         return self.registry.get_sample_value(name, labels) or 0.0
 
 
-async def start_sidecar(triton: EmbeddedTriton, repo: Path, state_dir: Path, **kw: Any) -> tuple[RunningSidecar, Sidecar]:
+async def start_sidecar(
+    triton: EmbeddedTriton, repo: Path, state_dir: Path, **kw: Any
+) -> tuple[RunningSidecar, Sidecar]:
     """The production server (front + admin app, sidecar.app.start) in this test's event loop."""
     registry = CollectorRegistry()
-    cfg = SidecarConfig(upstream=triton.http_url, state_dir=state_dir, repository=repo, listen_port=0,
-                        admin_token=TOKEN, judge_interval_s=0.2, canary=CanaryParams(), **kw)  # fmt: skip
+    cfg = SidecarConfig(upstream=triton.http_url, upstream_grpc=triton.grpc_address, state_dir=state_dir,
+                        repository=repo, listen_port=0, admin_token=TOKEN, judge_interval_s=0.2, canary=CanaryParams(),
+                        **kw)  # fmt: skip
     running = await start(cfg, registry)
     return running, Sidecar(f"http://127.0.0.1:{running.port}", running.app, registry, state_dir)
 
@@ -133,7 +143,9 @@ async def drive(client: aiohttp.ClientSession, url: str, model: str, *, until_de
     return {"codes": codes, "latencies": latencies, "versions": versions}
 
 
-async def start_canary(client: aiohttp.ClientSession, sc: Sidecar, model: str, **body: Any) -> tuple[int, Any]:
+async def start_canary(
+    client: aiohttp.ClientSession, sc: Sidecar, model: str, **body: Any
+) -> tuple[int, Any]:
     async with client.post(f"{sc.url}/canary/{model}", json={"candidate": 2, **FAST_PARAMS, **body},
                            headers=AUTH) as r:  # fmt: skip
         return r.status, await r.json()
@@ -180,19 +192,79 @@ async def test_good_candidate_is_promoted(sidecar: Sidecar, client: aiohttp.Clie
     assert seen["versions"] == {"2"}
 
 
-async def test_promotion_under_load_loses_no_client_request(sidecar: Sidecar, client: aiohttp.ClientSession) -> None:
+async def test_promotion_under_load_loses_no_client_request(
+    sidecar: Sidecar, client: aiohttp.ClientSession
+) -> None:
     """The version swap happens under traffic: a slow-loading candidate, a slow-unloading baseline, 8 clients."""
     code, st = await start_canary(client, sidecar, "bigswap")
     assert code == 201, st
     # Big bodies (0.5 MB): Triton takes long enough between resolving an unversioned request's version and
     # running it that a version unloading in between fails the request (seen on the H200 with ResNet-50).
     seen = await drive(client, sidecar.url, "bigswap", concurrency=8, rows=1 << 15)
-    after = await drive(client, sidecar.url, "bigswap", until_decided=False, concurrency=8, timeout_s=4, rows=1 << 15)
+    after = await drive(
+        client, sidecar.url, "bigswap", until_decided=False, concurrency=8, timeout_s=4, rows=1 << 15
+    )
     [rec] = decisions(sidecar)
     assert rec["outcome"] == "promote", rec["reasons"]
     codes = seen["codes"] + after["codes"]
     assert len(after["codes"]) > 10 and set(codes) == {200}, {c: codes.count(c) for c in set(codes)}
     assert after["versions"] == {"2"}
+
+
+async def test_model_loads_do_not_stall_other_clients(
+    sidecar: Sidecar, client: aiohttp.ClientSession
+) -> None:
+    """A shadow load and a promotion's first phase each load a model for 2 s (loads go over gRPC): the clients of
+    another model, on 4 keep-alive connections, see no wait near that (over HTTP they waited the whole load,
+    benchmarks/model_load_stall.py)."""
+    import http.client
+    import threading
+
+    port = int(sidecar.url.rsplit(":", 1)[1])
+    body, headers = infer_body(np.random.default_rng(0))
+    waits: list[tuple[float, float]] = []
+    failures: list[str] = []  # asserted after the join: an assert in a thread would only print
+    stop = threading.Event()
+
+    def keepalive_client() -> None:  # threads: this test shares the sidecar's event loop
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                conn.request("POST", "/v2/models/plain/versions/1/infer", body=body, headers=headers)
+                resp = conn.getresponse()
+                resp.read()
+                if resp.status != 200:
+                    failures.append(f"{resp.status}")
+                waits.append((t0, time.monotonic() - t0))
+                time.sleep(0.01)
+        except Exception as exc:  # noqa: BLE001 - reported by the test below
+            failures.append(repr(exc))
+        finally:
+            conn.close()  # also when it failed: a leaked socket fails the next test's setup
+
+    threads = [threading.Thread(target=keepalive_client, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        await asyncio.sleep(1.0)
+        t_load = time.monotonic()
+        code, st = await start_canary(client, sidecar, "bigload", min_samples=10**6)  # decided by hand below
+        assert code == 201, st
+        t_promote = time.monotonic()
+        async with client.post(f"{sidecar.url}/canary/bigload/promote", headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+        t_end = time.monotonic()
+        await asyncio.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    assert not failures, failures
+    assert t_promote - t_load > 2.0 and t_end - t_promote > 2.0  # both did load a 2 s model
+    during = [s for t0, s in waits if t_load <= t0 <= t_end]
+    assert len(during) > 100, len(during)
+    assert max(during) < 1.0, sorted(during)[-5:]
 
 
 async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar, client: aiohttp.ClientSession,
@@ -202,8 +274,13 @@ async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar,
     sent at the same moment to a second instance of the baseline: a good candidate is promoted on tight latency
     terms, a slower one still pinned."""
     # Fresh instances on both sides: the first comparisons give no latency pairs (warmup), as in production.
-    tight = {"latency_pairing": "shadow", "latency_slack": 0.25, "min_samples": 150, "max_in_flight": 16,
-             "warmup_samples": 60}
+    tight = {
+        "latency_pairing": "shadow",
+        "latency_slack": 0.25,
+        "min_samples": 150,
+        "max_in_flight": 16,
+        "warmup_samples": 60,
+    }
     assert (await start_canary(client, sidecar, "pairgood", **tight))[0] == 201
     # The baseline's replays run on the shadow's own instance of version 1, which takes no client traffic.
     async with client.get(f"{triton.http_url}/v2/models/{shadow_name('pairgood')}/versions/1/ready") as r:
@@ -216,12 +293,19 @@ async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar,
     assert ev["aa_compared"] >= 0.9 * ev["compared"]  # every sample is an A/A one too
     # One pair at a time (no queue of our own copies at either instance): requests that find the pair in
     # flight are not sampled, so nothing is counted as dropped.
-    assert sidecar.metric("tunegate_mirror_dropped_total", model="pairgood", role="candidate", reason="full") == 0
-    assert sidecar.metric("tunegate_mirror_sampled_total", model="pairgood", role="candidate") >= ev["compared"]
+    assert (
+        sidecar.metric("tunegate_mirror_dropped_total", model="pairgood", role="candidate", reason="full")
+        == 0
+    )
+    assert (
+        sidecar.metric("tunegate_mirror_sampled_total", model="pairgood", role="candidate") >= ev["compared"]
+    )
     assert (await start_canary(client, sidecar, "pairslow", **tight))[0] == 201
     await drive(client, sidecar.url, "pairslow", concurrency=8, requests=10**7, timeout_s=120)
     rec = decisions(sidecar)[-1]
-    assert rec["model"] == "pairslow" and rec["outcome"] == "pin" and "slower" in rec["reasons"][0], rec["reasons"]
+    assert rec["model"] == "pairslow" and rec["outcome"] == "pin" and "slower" in rec["reasons"][0], rec[
+        "reasons"
+    ]
 
 
 async def test_default_latency_evidence_holds_under_saturation(sidecar: Sidecar,
@@ -248,14 +332,18 @@ async def test_default_latency_evidence_holds_under_saturation(sidecar: Sidecar,
     seen = await drive(client, sidecar.url, "defslow", concurrency=8, timeout_s=30)
     assert set(seen["codes"]) == {200}
     rec = decisions(sidecar)[-1]
-    assert rec["model"] == "defslow" and rec["outcome"] == "pin" and "slower" in rec["reasons"][0], rec["reasons"]
+    assert rec["model"] == "defslow" and rec["outcome"] == "pin" and "slower" in rec["reasons"][0], rec[
+        "reasons"
+    ]
 
 
 async def test_wrong_candidate_is_pinned_with_exemplars(sidecar: Sidecar, client: aiohttp.ClientSession,
                                                         triton: EmbeddedTriton, repo: Path) -> None:  # fmt: skip
     code, st = await start_canary(client, sidecar, "wrong", tolerance=None)
     assert code == 400 and "no release.json" in st["error"]  # no release record: a tolerance must be given
-    code, st = await start_canary(client, sidecar, "wrong", tolerance={"y": {"metric": "linf", "threshold": 1e-3}})
+    code, st = await start_canary(
+        client, sidecar, "wrong", tolerance={"y": {"metric": "linf", "threshold": 1e-3}}
+    )
     assert code == 201 and st["canary"]["tolerance_source"] == "request"
     seen = await drive(client, sidecar.url, "wrong")
     assert set(seen["codes"]) == {200} and seen["versions"] == {"1"}
@@ -330,7 +418,9 @@ async def test_admin_requires_the_token(sidecar: Sidecar, client: aiohttp.Client
             assert r.status == 403, path
     async with client.post(f"{sidecar.url}/v2/repository/models/plain/load") as r:
         assert r.status == 403  # model control only through the admin API
-    async with client.post(f"{sidecar.url}/canary/plain", headers=AUTH, json={"candidate": 2, "sample_rate": 3}) as r:
+    async with client.post(
+        f"{sidecar.url}/canary/plain", headers=AUTH, json={"candidate": 2, "sample_rate": 3}
+    ) as r:
         assert r.status == 400 and "sample_rate" in (await r.json())["error"]
     async with client.post(f"{sidecar.url}/canary/plain", headers=AUTH, json={"candidate": 9}) as r:
         assert r.status == 404
@@ -342,15 +432,21 @@ async def test_bad_requests_get_tritons_answer_and_the_sidecar_stays_up(
     url = f"{sidecar.url}/v2/models/plain/infer"
     bad = [
         b"{not json",
-        json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 5], "data": [0.0] * 10}]}).encode(),
-        json.dumps({"inputs": [{"name": "x", "datatype": "INT8", "shape": [1, 4], "data": [1, 2, 3, 4]}]}).encode(),
+        json.dumps(
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 5], "data": [0.0] * 10}]}
+        ).encode(),
+        json.dumps(
+            {"inputs": [{"name": "x", "datatype": "INT8", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+        ).encode(),
     ]
     for body in bad:
         async with client.post(url, data=body) as r:
             via = (r.status, await r.read())
         async with client.post(f"{triton.http_url}/v2/models/plain/infer", data=body) as r:
             direct = (r.status, await r.read())
-        if body == bad[0]:  # Triton answers 500 to a body it cannot parse; the sidecar says it is the client's: 400
+        if (
+            body == bad[0]
+        ):  # Triton answers 500 to a body it cannot parse; the sidecar says it is the client's: 400
             assert direct[0] == 500 and via == (400, direct[1]), (via, direct)
             continue
         assert via == direct and via[0] >= 400, via  # Triton's own answer, unchanged
@@ -400,11 +496,15 @@ async def test_stock_tritonclient_aio_works_through_the_sidecar(sidecar: Sidecar
 
 async def test_capture_and_metrics(triton: EmbeddedTriton, repo: Path, tmp_path: Path,
                                    client: aiohttp.ClientSession) -> None:  # fmt: skip
-    running, sc = await start_sidecar(triton, repo, tmp_path / "s", capture_dir=tmp_path / "cap", capture_rate=1.0)
+    running, sc = await start_sidecar(
+        triton, repo, tmp_path / "s", capture_dir=tmp_path / "cap", capture_rate=1.0
+    )
     try:
         body, headers = infer_body(np.random.default_rng(3), binary=True)
         for _ in range(3):
-            async with client.post(f"{sc.url}/v2/models/plain/versions/1/infer", data=body, headers=headers) as r:
+            async with client.post(
+                f"{sc.url}/v2/models/plain/versions/1/infer", data=body, headers=headers
+            ) as r:
                 assert r.status == 200
         async with client.get(f"{sc.url}/metrics") as r:
             text = await r.text()
@@ -455,7 +555,9 @@ async def test_http_framing_pipelining_continue_and_malformed_input(sidecar: Sid
     last = b"GET /v2/models/plain HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     out = await _raw(sidecar.url, req * 3 + last)
     assert out.count(b"HTTP/1.1 200 OK") == 4, out[:500]
-    assert out.rindex(b'"model_version":"1"') < out.index(b'"name":"plain"', out.rindex(b"HTTP/1.1 200")), "order kept"
+    assert out.rindex(b'"model_version":"1"') < out.index(b'"name":"plain"', out.rindex(b"HTTP/1.1 200")), (
+        "order kept"
+    )
     # Expect: 100-continue (curl sends it for bodies over 1 KiB): the interim answer, then the real one.
     cont = req.replace(b"Host: x\r\n", b"Host: x\r\nExpect: 100-continue\r\nConnection: close\r\n")
     out = await _raw(sidecar.url, cont)
@@ -478,6 +580,9 @@ async def test_http_framing_pipelining_continue_and_malformed_input(sidecar: Sid
     out = await _raw(sidecar.url, refused + req * 2)
     assert out.startswith(b"HTTP/1.1 403") and out.count(b"HTTP/1.1") == 1, out[:300]
     await asyncio.sleep(0.2)
-    assert sidecar.metric("tunegate_requests_total", model="plain", version="1", role="primary", code="200") == before
+    assert (
+        sidecar.metric("tunegate_requests_total", model="plain", version="1", role="primary", code="200")
+        == before
+    )
     seen = await _raw(sidecar.url, req.replace(b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n"))
     assert seen.startswith(b"HTTP/1.1 200 OK")

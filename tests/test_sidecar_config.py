@@ -51,7 +51,11 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, toml: str, message: str) ->
 def test_canary_params_from_request_body() -> None:
     base = CanaryParams(min_samples=500)
     p = CanaryParams.from_dict({"deadline_s": 90, "required_speedup": 1.2}, base)
-    assert p.min_samples == 500 and p.deadline_s == 90.0 and p.judge_params().max_ratio == pytest.approx(1.05 / 1.2)
+    assert (
+        p.min_samples == 500
+        and p.deadline_s == 90.0
+        and p.judge_params().max_ratio == pytest.approx(1.05 / 1.2)
+    )
     for bad in ({"max_in_flight": 0}, {"confidence": 1.0}, {"timeout_s": "5"}, {"aa_rate": 2}):
         with pytest.raises(ConfigError):
             CanaryParams.from_dict(bad)
@@ -59,7 +63,7 @@ def test_canary_params_from_request_body() -> None:
 
 def test_cli_exits_2_on_bad_config(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "tunegate.cli", "sidecar", "--upstream", "http://x", "--repository", str(tmp_path / "no"),
+        [sys.executable, "-m", "tunegate.app.cli", "sidecar", "--upstream", "http://x", "--repository", str(tmp_path / "no"),
          "--state-dir", str(tmp_path)],
         check=False, capture_output=True, text=True, timeout=60,
     )  # fmt: skip

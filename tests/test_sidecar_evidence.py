@@ -26,7 +26,10 @@ from tunegate.triton import EmbeddedTriton, TritonOptions
 pytestmark = pytest.mark.triton
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BIG = 16  # rows of the long-tail shape: request class b16xs4
-SMALL_WORK, BIG_WORK = 10_000, 600_000  # about 0.15 and 9 ms of CPU: the big shape's 25% stands out of the noise
+SMALL_WORK, BIG_WORK = (
+    10_000,
+    600_000,
+)  # about 0.15 and 9 ms of CPU: the big shape's 25% stands out of the noise
 MODELS: dict[str, tuple[dict[str, Any], dict[int, dict[str, Any]]]] = {
     # baseline behaviour, candidates: 20% more work on the big shape only (the others unchanged)
     "shapeslow": ({"work": SMALL_WORK, "work_rows": {str(BIG): BIG_WORK}},
@@ -47,7 +50,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def triton(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
-    server = EmbeddedTriton(TritonOptions(repository=repo, models=tuple(MODELS)), workdir=tmp_path_factory.mktemp("t"))
+    server = EmbeddedTriton(
+        TritonOptions(repository=repo, models=tuple(MODELS)), workdir=tmp_path_factory.mktemp("t")
+    )
     server.start()
     yield server
     server.stop()
@@ -107,7 +112,9 @@ async def test_a_candidate_slower_only_on_the_longest_shape_is_pinned_naming_it(
     """Faster or equal overall (most requests are small and unchanged), 20% slower on the big shape: pinned, and
     the record names the shape's request class."""
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{sidecar}/canary/shapeslow", json={"candidate": 2, "deadline_s": 150}, headers=AUTH) as r:
+        async with s.post(
+            f"{sidecar}/canary/shapeslow", json={"candidate": 2, "deadline_s": 150}, headers=AUTH
+        ) as r:
             assert r.status == 201, await r.text()
         # Paced below saturation (2 cores): the copies of a pair then compete with little else.
         codes = await run_clients(s, sidecar, "shapeslow", big_share=0.3, timeout_s=170, pause_s=0.01)
@@ -115,10 +122,15 @@ async def test_a_candidate_slower_only_on_the_longest_shape_is_pinned_naming_it(
     assert set(codes) == {200}
     assert rec["outcome"] == "pin", rec["reasons"]
     classes = rec["evidence"]["classes"]
-    assert any(f"request class b{BIG}xs4" in x and "slower" in x for x in rec["reasons"]), (rec["reasons"], classes)
+    assert any(f"request class b{BIG}xs4" in x and "slower" in x for x in rec["reasons"]), (
+        rec["reasons"],
+        classes,
+    )
     assert classes[f"b{BIG}xs4"]["p50_ratio"] > 1.05, classes  # above the allowed ratio (1 + latency_slack)
     assert classes["b2xs4"]["p50_ratio"] < 1.05, classes  # the small shape is not slower
-    assert not any(x.startswith("candidate is slower:") for x in rec["reasons"]), rec["reasons"]  # overall p50 is fine
+    assert not any(x.startswith("candidate is slower:") for x in rec["reasons"]), rec[
+        "reasons"
+    ]  # overall p50 is fine
 
 
 async def test_throughput_from_tritons_statistics(sidecar: str) -> None:
@@ -140,7 +152,9 @@ async def test_throughput_from_tritons_statistics(sidecar: str) -> None:
         await asyncio.sleep(1.0)  # the next judge tick clears the ended canary's gauges
         async with s.get(f"{sidecar}/metrics") as r:
             text = await r.text()
-        assert 'tunegate_model_capacity_inferences_per_second{model="thrsame"' not in text  # gone with the canary
+        assert (
+            'tunegate_model_capacity_inferences_per_second{model="thrsame"' not in text
+        )  # gone with the canary
 
         async with s.post(f"{sidecar}/canary/thrslow", json=only_throughput, headers=AUTH) as r:
             assert r.status == 201, await r.text()
@@ -150,4 +164,7 @@ async def test_throughput_from_tritons_statistics(sidecar: str) -> None:
     assert rec["outcome"] == "pin", rec["reasons"]
     assert any("sustains less throughput" in x for x in rec["reasons"]), rec["reasons"]
     thr = rec["evidence"]["throughput"]
-    assert thr["ratio"] < 0.6 and thr["candidate_compute_ms_per_inference"] > thr["baseline_compute_ms_per_inference"]
+    assert (
+        thr["ratio"] < 0.6
+        and thr["candidate_compute_ms_per_inference"] > thr["baseline_compute_ms_per_inference"]
+    )

@@ -38,14 +38,18 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def triton(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
-    server = EmbeddedTriton(TritonOptions(repository=repo, models=("plain",)), workdir=tmp_path_factory.mktemp("t"))
+    server = EmbeddedTriton(
+        TritonOptions(repository=repo, models=("plain",)), workdir=tmp_path_factory.mktemp("t")
+    )
     server.start()
     yield server
     server.stop()
 
 
 @contextlib.asynccontextmanager
-async def sidecar(triton: EmbeddedTriton, repo: Path, state: Path, **kw: Any) -> AsyncIterator[RunningSidecar]:
+async def sidecar(
+    triton: EmbeddedTriton, repo: Path, state: Path, **kw: Any
+) -> AsyncIterator[RunningSidecar]:
     cfg = SidecarConfig(upstream=triton.http_url, state_dir=state, repository=repo, listen_port=0, admin_token=TOKEN,
                         **{**FAST, **kw})  # fmt: skip
     running = await start(cfg, CollectorRegistry())
@@ -55,7 +59,9 @@ async def sidecar(triton: EmbeddedTriton, repo: Path, state: Path, **kw: Any) ->
         await running.close()
 
 
-async def exchange(port: int, data: bytes, *, pause_s: float = 0.0, chunk: int = 0, wait_s: float = 5.0) -> tuple[bytes, float]:
+async def exchange(
+    port: int, data: bytes, *, pause_s: float = 0.0, chunk: int = 0, wait_s: float = 5.0
+) -> tuple[bytes, float]:
     """Send `data` (in `chunk`-byte pieces `pause_s` apart when set), read until the server closes; (answer, seconds)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     t0 = time.monotonic()
@@ -65,7 +71,7 @@ async def exchange(port: int, data: bytes, *, pause_s: float = 0.0, chunk: int =
                 if reader.at_eof() or len(reader._buffer):  # the server answered: stop sending
                     break
                 try:
-                    writer.write(data[i:i + chunk])
+                    writer.write(data[i : i + chunk])
                     await writer.drain()
                 except ConnectionError:
                     break
@@ -96,7 +102,9 @@ def infer_request(close: bool = True) -> bytes:
             + (b"Connection: close\r\n" if close else b"") + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
 
 
-async def test_slow_and_silent_clients_get_408_or_are_closed(triton: EmbeddedTriton, repo: Path, tmp_path: Path) -> None:
+async def test_slow_and_silent_clients_get_408_or_are_closed(
+    triton: EmbeddedTriton, repo: Path, tmp_path: Path
+) -> None:
     async with sidecar(triton, repo, tmp_path / "s") as sc:
         # A header trickled one byte every 0.2 s: 408 at the header timeout, not 90 s later.
         out, took = await exchange(sc.port, infer_request(), chunk=1, pause_s=0.2, wait_s=0.05)
@@ -166,7 +174,9 @@ async def test_oversized_heads_get_414_and_431_without_stalling_others(triton: E
             got += chunk
         writer.close()
         assert got.count(b"HTTP/1.1 200 OK") == 3 and b"HTTP/1.1 431" not in got, got[:300]
-        long_url = b"GET /v2/health/live?" + b"q" * 4_000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        long_url = (
+            b"GET /v2/health/live?" + b"q" * 4_000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
         out, _ = await exchange(sc.port, long_url)
         assert out.startswith(b"HTTP/1.1 200"), out[:200]
 
@@ -194,8 +204,11 @@ async def test_closed_connections_are_freed_without_the_garbage_collector(triton
         gc.disable()
         try:
             refs = []
-            refused = [b"GET /" + b"u" * 5000 + b" HTTP/1.1\r\n", b"GET /v2 HTTP/1.1\r\nX: " + b"h" * 9000,
-                       b"\x16\x03\x01 garbage\r\n\r\n"]  # 414, 431, 400: refused from inside the parser
+            refused = [
+                b"GET /" + b"u" * 5000 + b" HTTP/1.1\r\n",
+                b"GET /v2 HTTP/1.1\r\nX: " + b"h" * 9000,
+                b"\x16\x03\x01 garbage\r\n\r\n",
+            ]  # 414, 431, 400: refused from inside the parser
             for i in range(30):
                 _reader, writer = await asyncio.open_connection("127.0.0.1", sc.port)
                 writer.write(refused[i % 3] if i % 2 else infer_request(close=False)[: 40 + i])  # then gone
@@ -228,7 +241,9 @@ async def test_readyz_follows_triton_and_healthz_the_process(repo: Path, tmp_pat
         own.stop()
 
 
-async def test_metric_series_stay_bounded_whatever_the_urls(triton: EmbeddedTriton, repo: Path, tmp_path: Path) -> None:
+async def test_metric_series_stay_bounded_whatever_the_urls(
+    triton: EmbeddedTriton, repo: Path, tmp_path: Path
+) -> None:
     """Any URL can name a model or version: only those the repository holds get series of their own."""
     async with sidecar(triton, repo, tmp_path / "s") as sc:
         reader, writer = await asyncio.open_connection("127.0.0.1", sc.port)
@@ -244,13 +259,72 @@ async def test_metric_series_stay_bounded_whatever_the_urls(triton: EmbeddedTrit
             length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
             await reader.readexactly(length)
         writer.close()
-        out, _ = await exchange(sc.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", wait_s=10)
+        out, _ = await exchange(
+            sc.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", wait_s=10
+        )
     text = out.decode(errors="replace")
     series = [ln for ln in text.splitlines() if ln.startswith("tunegate_requests_total{")]
     assert len(series) <= 8, series[:20]
-    assert any('model="other"' in ln for ln in series) and any('version="other"' in ln for ln in series), series
+    assert any('model="other"' in ln for ln in series) and any('version="other"' in ln for ln in series), (
+        series
+    )
     assert any('model="plain"' in ln and 'version="1"' in ln and 'code="200"' in ln for ln in series), series
     assert len(out) < 1 << 20
+
+
+def blocking_exchange(port: int, data: bytes) -> tuple[bytes, float]:
+    """One request on a blocking socket, read until the server closes; (answer, seconds)."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(1 << 16):
+            out += chunk
+    return out, time.monotonic() - t0
+
+
+class SlowCollector:
+    """Test double at the registry seam: a collector that takes `seconds` to collect, as a huge registry would."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.calls = seconds, 0
+
+    def collect(self) -> Iterator[Any]:
+        self.calls += 1
+        time.sleep(self.seconds)
+        yield from ()
+
+
+async def test_a_slow_scrape_never_holds_the_client_path(
+    triton: EmbeddedTriton, repo: Path, tmp_path: Path
+) -> None:
+    """/metrics renders off the event loop, and scrapes during a rendering share it."""
+    registry = CollectorRegistry()
+    slow = SlowCollector(1.5)
+    cfg = SidecarConfig(upstream=triton.http_url, state_dir=tmp_path / "s", repository=repo, listen_port=0,
+                        admin_token=TOKEN, **FAST)  # fmt: skip
+    sc = await start(cfg, registry)
+    try:
+        registry.register(slow)
+        scrape = b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+        def paced_infers() -> list[tuple[bytes, float]]:  # from a thread: this test shares the sidecar's loop
+            time.sleep(0.3)  # the rendering has begun
+            out = []
+            for _ in range(5):
+                out.append(blocking_exchange(sc.port, infer_request()))
+                time.sleep(0.1)
+            return out
+
+        infers = asyncio.ensure_future(asyncio.to_thread(paced_infers))
+        scrapes = [asyncio.ensure_future(exchange(sc.port, scrape, wait_s=10)) for _ in range(4)]
+        for out, took in await infers:
+            assert out.startswith(b"HTTP/1.1 200") and took < 0.5, (out[:100], took)
+        answers = await asyncio.gather(*scrapes)
+        assert all(a.startswith(b"HTTP/1.1 200") and b"tunegate_requests_total" in a for a, _ in answers)
+        assert min(t for _, t in answers) > 1.0 and slow.calls == 1, ([t for _, t in answers], slow.calls)
+    finally:
+        await sc.close()
 
 
 async def test_the_client_path_forwards_an_allowlist_of_tritons_api(triton: EmbeddedTriton, repo: Path,
@@ -258,6 +332,7 @@ async def test_the_client_path_forwards_an_allowlist_of_tritons_api(triton: Embe
     """Inference, metadata, config, health, statistics and the repository index pass; what changes Triton's state
     (model control, logging, trace settings, shared memory) and the canary's shadow model get a 403."""
     async with sidecar(triton, repo, tmp_path / "s") as sc:
+
         async def status(method: bytes, path: bytes, body: bytes = b"") -> int:
             out, _ = await exchange(sc.port, b"%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n"
                                     b"Content-Type: application/json\r\n\r\n%s" % (method, path, len(body), body))  # fmt: skip
@@ -287,6 +362,7 @@ async def test_a_shape_the_body_cannot_hold_is_refused_before_triton(triton: Emb
                                                                      tmp_path: Path) -> None:  # fmt: skip
     """A JSON shape of [2**40, 4] aborts Triton (it allocates first); the sidecar answers 400 and Triton keeps serving."""
     async with sidecar(triton, repo, tmp_path / "s") as sc:
+
         def infer(body: bytes, extra: bytes = b"") -> bytes:
             return (b"POST /v2/models/plain/versions/1/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + extra
                     + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
@@ -295,9 +371,13 @@ async def test_a_shape_the_body_cannot_hold_is_refused_before_triton(triton: Emb
         out, _ = await exchange(sc.port, infer(bomb))
         assert out.startswith(b"HTTP/1.1 400") and b"4398046511104 elements" in out, out[:300]
         header = b'{"inputs":[{"name":"x","shape":[1073741824,4],"datatype":"FP32","parameters":{"binary_data_size":16}}]}'
-        out, _ = await exchange(sc.port, infer(header + b"\0" * 16, b"Inference-Header-Content-Length: %d\r\n" % len(header)))
+        out, _ = await exchange(
+            sc.port, infer(header + b"\0" * 16, b"Inference-Header-Content-Length: %d\r\n" % len(header))
+        )
         assert out.startswith(b"HTTP/1.1 400") and b"elements" in out, out[:300]
-        out, _ = await exchange(sc.port, infer(b'{"inputs":[{"name":"x","shape":[-3,4],"datatype":"FP32","data":[1]}]}'))
+        out, _ = await exchange(
+            sc.port, infer(b'{"inputs":[{"name":"x","shape":[-3,4],"datatype":"FP32","data":[1]}]}')
+        )
         assert out.startswith(b"HTTP/1.1 400") and b"negative" in out, out[:300]
         out, _ = await exchange(sc.port, infer_request())  # Triton is still up
         assert out.startswith(b"HTTP/1.1 200"), out[:300]
@@ -306,22 +386,36 @@ async def test_a_shape_the_body_cannot_hold_is_refused_before_triton(triton: Emb
 async def test_admin_api_gives_4xx_throttles_failed_tokens_and_can_listen_apart(triton: EmbeddedTriton, repo: Path,
                                                                                 tmp_path: Path) -> None:  # fmt: skip
     def get(path: bytes, auth: bytes, extra: bytes = b"") -> bytes:
-        return b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: %s\r\n%s\r\n" % (path, auth, extra)
+        return b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: %s\r\n%s\r\n" % (
+            path,
+            auth,
+            extra,
+        )
 
     def post(path: bytes, body: bytes) -> bytes:
         return (b"POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
                 % (path, TOKEN.encode(), len(body), body))  # fmt: skip
 
     async with sidecar(triton, repo, tmp_path / "s") as sc:
-        out, _ = await exchange(sc.port, get(b"/canary", b"Bearer \xff\xfe"))  # not UTF-8: a wrong token, not a 500
+        out, _ = await exchange(
+            sc.port, get(b"/canary", b"Bearer \xff\xfe")
+        )  # not UTF-8: a wrong token, not a 500
         assert out.startswith(b"HTTP/1.1 403"), out[:200]
-        for body in (b"[" * 100_000, b"{", b"\xff", b'{"candidate": 2, "deadline_s": 1e308}', b'{"candidate": "2"}'):
+        for body in (
+            b"[" * 100_000,
+            b"{",
+            b"\xff",
+            b'{"candidate": 2, "deadline_s": 1e308}',
+            b'{"candidate": "2"}',
+        ):
             out, _ = await exchange(sc.port, post(b"/canary/plain", body))
             assert out.startswith(b"HTTP/1.1 400") and b'"error"' in out, (body[:40], out[:300])
         # Wrong tokens from one address: 429 after ten, whatever X-Tunegate-Peer the client claims.
         codes = []
         for i in range(12):
-            out, _ = await exchange(sc.port, get(b"/canary", b"Bearer wrong", b"X-Tunegate-Peer: 10.0.0.%d\r\n" % i))
+            out, _ = await exchange(
+                sc.port, get(b"/canary", b"Bearer wrong", b"X-Tunegate-Peer: 10.0.0.%d\r\n" % i)
+            )
             codes.append(int(out.split(b" ", 2)[1]))
         assert codes[:9] == [403] * 9 and codes[-1] == 429, codes
         out, _ = await exchange(sc.port, get(b"/canary", b"Bearer " + TOKEN.encode()))

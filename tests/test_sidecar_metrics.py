@@ -33,7 +33,9 @@ def test_loop_metrics_expose_what_prometheus_client_exposes(events: list[tuple[s
     assert exposition(ours) == exposition(theirs)
     for model, version, _ in events:
         labels = {"model": model, "version": version}
-        assert ours.get_sample_value("t_seconds_count", labels) == theirs.get_sample_value("t_seconds_count", labels)
+        assert ours.get_sample_value("t_seconds_count", labels) == theirs.get_sample_value(
+            "t_seconds_count", labels
+        )
 
 
 def test_loop_metrics_check_their_labels_and_names() -> None:

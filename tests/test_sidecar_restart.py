@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import pytest
 from sidecar.client import AdminClient, SidecarProcess, write_token_file
 from sidecar.control import shadow_name
 from tests.conftest import http
-from tests.sidecar_models import FAST_PARAMS, TOKEN, add_model, infer_body
+from tests.sidecar_models import FAST_PARAMS, TOKEN, add_model, canary_cli, infer_body
 
 pytestmark = pytest.mark.triton
 
@@ -47,7 +46,9 @@ def test_sigkill_mid_canary_resumes_without_losing_or_doubling(triton_factory: A
     st_dir = tmp_path / "state"
 
     def sidecar() -> SidecarProcess:
-        return SidecarProcess(upstream=triton.http_url, state_dir=st_dir, repository=repo, token_file=token_file)
+        return SidecarProcess(
+            upstream=triton.http_url, state_dir=st_dir, repository=repo, token_file=token_file
+        )
 
     sc = sidecar().start()
     admin = AdminClient(sc.url, TOKEN)
@@ -91,8 +92,10 @@ def test_sigkill_mid_canary_resumes_without_losing_or_doubling(triton_factory: A
         assert [r["canary_id"] for r in records(st_dir)] == [canary_id]
         assert state(st_dir)["live"] == 1 and infer_versions(sc.url, "rs", 3) == {"1"}
         # ... and the CLI reads the same record
-        cli = [sys.executable, "-m", "tunegate.cli", "canary", "--url", sc.url, "--token-file", str(token_file)]
-        out = subprocess.run([*cli, "--json", "decisions", "rs"], check=False, capture_output=True, text=True, timeout=60)
+        cli = canary_cli(sc.url, token_file)
+        out = subprocess.run(
+            [*cli, "--json", "decisions", "rs"], check=False, capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, out.stderr
         assert [r["outcome"] for r in json.loads(out.stdout)["decisions"]] == ["pin"]
         bad = subprocess.run([*cli, "promote", "rs"], check=False, capture_output=True, text=True, timeout=60)

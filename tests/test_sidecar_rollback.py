@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from sidecar.client import AdminClient, AdminError, SidecarProcess, write_token_
 from sidecar.config import CanaryParams, ConfigError, SidecarConfig
 from sidecar.rollback import KILL_AT_ENV, retained
 from tests.conftest import http
-from tests.sidecar_models import FAST_PARAMS, TOKEN, add_model, infer_body
+from tests.sidecar_models import FAST_PARAMS, TOKEN, add_model, canary_cli, infer_body
 from tunegate import codec
 from tunegate.repository import parse_version_policy
 from tunegate.triton import EmbeddedTriton, TritonOptions
@@ -338,16 +337,7 @@ def test_sigkill_with_a_pending_rollback_finishes_it_once(
             assert st["state"] == "rolled_back" and st["live"] == 1, st
             assert versions_via(sc) == {"1"}
             if kill_at == "staged":  # the CLI reads the same records and refuses what is left
-                cli = [
-                    sys.executable,
-                    "-m",
-                    "tunegate.cli",
-                    "canary",
-                    "--url",
-                    sc.url,
-                    "--token-file",
-                    str(token_file),
-                ]
+                cli = canary_cli(sc.url, token_file)
                 out = subprocess.run(
                     [*cli, "decisions", "rbkill"], check=False, capture_output=True, text=True, timeout=60
                 )

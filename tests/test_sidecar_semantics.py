@@ -99,7 +99,11 @@ def test_sequence_parameters_are_found_in_the_json_header_only() -> None:
     x = {"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}
     plain = json.dumps({"inputs": [x]}).encode()
     assert not sequence_request(plain, [(b"Content-Type", b"application/json")])
-    for params in ({"sequence_id": 7}, {"sequence_id": "abc", "sequence_start": True}, {"sequence_end": True}):
+    for params in (
+        {"sequence_id": 7},
+        {"sequence_id": "abc", "sequence_start": True},
+        {"sequence_end": True},
+    ):
         body = json.dumps({"inputs": [x], "parameters": params}).encode()
         assert sequence_request(body, [])
     # an input named like a parameter is not one
@@ -113,7 +117,9 @@ def test_sequence_parameters_are_found_in_the_json_header_only() -> None:
     head = json.loads(body[:hl])
     head["parameters"] = {"sequence_id": 3}
     new_head = json.dumps(head).encode()
-    assert sequence_request(new_head + body[hl:], [(b"inference-header-content-length", str(len(new_head)).encode())])
+    assert sequence_request(
+        new_head + body[hl:], [(b"inference-header-content-length", str(len(new_head)).encode())]
+    )
 
 
 def test_memory_is_unknown_with_a_reason_where_triton_runs_elsewhere(tmp_path: Path) -> None:
@@ -121,8 +127,15 @@ def test_memory_is_unknown_with_a_reason_where_triton_runs_elsewhere(tmp_path: P
     fake_proc = tmp_path / "proc"
     fake_proc.mkdir()
     targets = {"candidate": ("m__canary", 2), "baseline": ("m__canary", 1)}
-    r = MemoryProbe(tmp_path, "http://triton.invalid:8000", targets, "python", proc=fake_proc, gpu=False).read()
-    assert r.bytes == {} and r.unknown is not None and "another host" in r.unknown and "triton.invalid" in r.unknown
+    r = MemoryProbe(
+        tmp_path, "http://triton.invalid:8000", targets, "python", proc=fake_proc, gpu=False
+    ).read()
+    assert (
+        r.bytes == {}
+        and r.unknown is not None
+        and "another host" in r.unknown
+        and "triton.invalid" in r.unknown
+    )
     r = MemoryProbe(tmp_path, "http://triton:8000", targets, "tensorrt", proc=fake_proc, gpu=False).read()
     assert r.bytes == {} and r.unknown is not None and "tensorrt" in r.unknown
 
@@ -176,7 +189,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def triton(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
-    server = EmbeddedTriton(TritonOptions(repository=repo, models=MODELS), workdir=tmp_path_factory.mktemp("t"))
+    server = EmbeddedTriton(
+        TritonOptions(repository=repo, models=MODELS), workdir=tmp_path_factory.mktemp("t")
+    )
     server.start()
     yield server
     server.stop()
@@ -207,7 +222,9 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def start_canary(client: aiohttp.ClientSession, sc: Sidecar, model: str, **body: Any) -> Any:
-    async with client.post(f"{sc.url}/canary/{model}", json={"candidate": 2, **FAST_PARAMS, **body}, headers=AUTH) as r:
+    async with client.post(
+        f"{sc.url}/canary/{model}", json={"candidate": 2, **FAST_PARAMS, **body}, headers=AUTH
+    ) as r:
         assert r.status == 201, await r.text()
         return await r.json()
 
@@ -217,7 +234,9 @@ async def status(client: aiohttp.ClientSession, sc: Sidecar, model: str) -> Any:
         return await r.json()
 
 
-async def wait_for(client: aiohttp.ClientSession, sc: Sidecar, model: str, pred: Any, timeout_s: float = 30) -> Any:
+async def wait_for(
+    client: aiohttp.ClientSession, sc: Sidecar, model: str, pred: Any, timeout_s: float = 30
+) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
         st = await status(client, sc, model)
@@ -227,7 +246,9 @@ async def wait_for(client: aiohttp.ClientSession, sc: Sidecar, model: str, pred:
 
 
 @pytest.mark.triton
-async def test_memory_of_both_versions_is_in_status_and_metrics(sidecar: Sidecar, client: aiohttp.ClientSession) -> None:
+async def test_memory_of_both_versions_is_in_status_and_metrics(
+    sidecar: Sidecar, client: aiohttp.ClientSession
+) -> None:
     await start_canary(client, sidecar, "memsame", deadline_s=120)
     st = await wait_for(client, sidecar, "memsame", lambda s: len(s["canary"]["evidence"]["memory"]) == 2)
     c = st["canary"]
@@ -236,7 +257,10 @@ async def test_memory_of_both_versions_is_in_status_and_metrics(sidecar: Sidecar
     assert mem["candidate"] > MiB and mem["baseline"] > MiB, mem
     # the same model in two versions: similar memory, not pinned on it
     assert 0.67 < mem["candidate"] / mem["baseline"] < 1.5, mem
-    assert c["memory"]["candidate"]["model"] == shadow_name("memsame") and c["memory"]["candidate"]["processes"] >= 1
+    assert (
+        c["memory"]["candidate"]["model"] == shadow_name("memsame")
+        and c["memory"]["candidate"]["processes"] >= 1
+    )
     for role, version in (("candidate", "2"), ("baseline", "1")):
         value = sidecar.metric("tunegate_model_memory_bytes", model="memsame", version=version, role=role)
         assert value is not None and value > MiB, (role, value)
@@ -246,11 +270,15 @@ async def test_memory_of_both_versions_is_in_status_and_metrics(sidecar: Sidecar
     async with client.post(f"{sidecar.url}/canary/memsame/pin", headers=AUTH) as r:
         assert r.status == 200
     await asyncio.sleep(0.5)  # a judge tick: an ended canary's memory leaves the exposition
-    assert sidecar.metric("tunegate_model_memory_bytes", model="memsame", version="2", role="candidate") is None
+    assert (
+        sidecar.metric("tunegate_model_memory_bytes", model="memsame", version="2", role="candidate") is None
+    )
 
 
 @pytest.mark.triton
-async def test_a_candidate_that_takes_much_more_memory_is_pinned(sidecar: Sidecar, client: aiohttp.ClientSession) -> None:
+async def test_a_candidate_that_takes_much_more_memory_is_pinned(
+    sidecar: Sidecar, client: aiohttp.ClientSession
+) -> None:
     await start_canary(client, sidecar, "memhungry", deadline_s=120)
     st = await wait_for(client, sidecar, "memhungry", lambda s: s["state"] != "running")
     assert st["state"] == "pinned", st
@@ -296,7 +324,9 @@ async def test_sequence_requests_pass_through_intact_and_are_not_mirrored(
             params = {"sequence_id": s, "sequence_start": i == 0, "sequence_end": i == steps - 1}
             code, out = await _infer(client, sidecar.url, "seqsum", x, params)
             assert code == 200, out
-            np.testing.assert_allclose(np.asarray(out["outputs"][0]["data"]).reshape(1, 4), sums[s], rtol=1e-5)
+            np.testing.assert_allclose(
+                np.asarray(out["outputs"][0]["data"]).reshape(1, 4), sums[s], rtol=1e-5
+            )
     await asyncio.sleep(0.5)  # anything mirrored would have been sent by now
     n = steps * len(seqs)
     assert sidecar.metric("tunegate_mirror_skipped_total", model="seqsum", reason="sequence") == n
@@ -316,13 +346,16 @@ async def test_requests_with_sequence_parameters_are_not_mirrored_the_others_are
     rng = np.random.default_rng(1)
     for i in range(20):
         params = {"sequence_id": 100 + i, "sequence_start": True} if i % 2 else None
-        code, out = await _infer(client, sidecar.url, "seqparams", rng.standard_normal((2, 4)).astype(np.float32), params)
+        code, out = await _infer(
+            client, sidecar.url, "seqparams", rng.standard_normal((2, 4)).astype(np.float32), params
+        )
         assert code == 200, out
-    st = await wait_for(client, sidecar, "seqparams", lambda s: s["canary"]["evidence"]["sent"] >= 10, timeout_s=10)
+    st = await wait_for(
+        client, sidecar, "seqparams", lambda s: s["canary"]["evidence"]["sent"] >= 10, timeout_s=10
+    )
     assert st["canary"]["evidence"]["skipped"] == {"sequence": 10}
     assert st["canary"]["evidence"]["sent"] == 10
     assert sidecar.metric("tunegate_mirror_skipped_total", model="seqparams", reason="sequence") == 10
     assert sidecar.metric("tunegate_mirror_sampled_total", model="seqparams", role="candidate") == 10
     assert await _shadow_inferences(client, triton, "seqparams") == 10
     assert st["canary"]["semantics"] == {"sequence": False, "decoupled": False, "backend": "python"}
-

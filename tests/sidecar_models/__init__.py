@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,15 +22,26 @@ FAST_PARAMS = {"min_samples": 60, "oot_budget": 0.05, "error_budget": 0.05, "con
                "max_in_flight": 4}  # fmt: skip
 
 
+def canary_cli(url: str, token_file: Path) -> list[str]:
+    """The `tunegate canary` command line against a sidecar, to run as a subprocess."""
+    return [sys.executable, "-m", "tunegate.app.cli", "canary", "--url", url, "--token-file", str(token_file)]
+
+
 def config(name: str) -> ModelConfig:
-    return ModelConfig(name, (TensorSpec("x", "FP32", (-1, 4)),), (TensorSpec("y", "FP32", (-1, 4)),), versions=(1,))
+    return ModelConfig(
+        name, (TensorSpec("x", "FP32", (-1, 4)),), (TensorSpec("y", "FP32", (-1, 4)),), versions=(1,)
+    )
 
 
 def add_model(repo: Path, name: str, candidates: Mapping[int, dict[str, Any] | None],
               release: bool = True, baseline: Mapping[str, Any] | None = None) -> None:  # fmt: skip
     """v1 is the exact baseline (`baseline`: its behaviour); each candidate version gets its behaviour (None: no behaviour.json)."""
-    write_version(repo, name, {"model.py": MODEL_PY.read_text(), "behaviour.json": json.dumps(dict(baseline or {}))},
-                  version=1)
+    write_version(
+        repo,
+        name,
+        {"model.py": MODEL_PY.read_text(), "behaviour.json": json.dumps(dict(baseline or {}))},
+        version=1,
+    )
     for v, behaviour in candidates.items():
         files: dict[str, Path | bytes | str] = {"model.py": MODEL_PY.read_text()}
         if behaviour is not None:
@@ -41,5 +53,9 @@ def add_model(repo: Path, name: str, candidates: Mapping[int, dict[str, Any] | N
 def infer_body(rng: np.random.Generator, binary: bool = False, rows: int = 2) -> tuple[bytes, dict[str, str]]:
     x = rng.standard_normal((rows, 4)).astype(np.float32)
     body, hl = codec.encode_request({"x": x}, binary=binary, binary_outputs=binary)
-    headers = {"Content-Type": "application/json"} if hl is None else {codec.HEADER: str(hl), "Content-Type": "application/octet-stream"}
+    headers = (
+        {"Content-Type": "application/json"}
+        if hl is None
+        else {codec.HEADER: str(hl), "Content-Type": "application/octet-stream"}
+    )
     return body, headers

@@ -23,7 +23,9 @@ class TritonPythonModel:
         self.scale = float(b.get("scale", 2.0))
         self.noise = float(b.get("noise", 0.0))
         self.delay_s = float(b.get("delay_ms", 0)) / 1000.0
-        self.work = int(b.get("work", 0))  # CPU work per request: iterations of a busy loop (delay_ms only sleeps)
+        self.work = int(
+            b.get("work", 0)
+        )  # CPU work per request: iterations of a busy loop (delay_ms only sleeps)
         self.work_rows = {int(k): int(v) for k, v in b.get("work_rows", {}).items()}
         self.fail = bool(b.get("fail", False))
         self.nan = bool(b.get("nan", False))
@@ -45,7 +47,9 @@ class TritonPythonModel:
             for _ in range(self.work_rows.get(x.shape[0], self.work)):
                 pass
             if self.fail:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("candidate is broken")))
+                responses.append(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError("candidate is broken"))
+                )
                 continue
             y = (x * self.scale).astype(np.float32)
             if self.noise:
