@@ -28,9 +28,19 @@ def test_registered_under_its_name() -> None:
 def test_mode_maps_onto_inductor_options_and_knobs_override_it() -> None:
     assert inductor_configs({"mode": "default"}) == {"epilogue_fusion": True}
     auto = inductor_configs({"mode": "max-autotune", "gemm": "triton"})
-    assert auto["max_autotune"] and auto["coordinate_descent_tuning"] and auto["max_autotune_gemm_backends"] == "TRITON"
-    assert inductor_configs({"mode": "max-autotune-no-cudagraphs", "coord": "off"})["coordinate_descent_tuning"] is False
-    assert inductor_configs({"epilogue": "off", "freezing": "on"}) == {"epilogue_fusion": False, "freezing": True}
+    assert (
+        auto["max_autotune"]
+        and auto["coordinate_descent_tuning"]
+        and auto["max_autotune_gemm_backends"] == "TRITON"
+    )
+    assert (
+        inductor_configs({"mode": "max-autotune-no-cudagraphs", "coord": "off"})["coordinate_descent_tuning"]
+        is False
+    )
+    assert inductor_configs({"epilogue": "off", "freezing": "on"}) == {
+        "epilogue_fusion": False,
+        "freezing": True,
+    }
 
 
 def test_cudagraphs_follow_the_mode_unless_pinned() -> None:
@@ -42,7 +52,9 @@ def test_cudagraphs_follow_the_mode_unless_pinned() -> None:
 
 def test_contradictory_routes_are_skipped_with_a_reason() -> None:
     b = InductorBuilder()
-    assert "max-autotune-no-cudagraphs" in (b.route_problem({"mode": "max-autotune", "cudagraphs": "off"}) or "")
+    assert "max-autotune-no-cudagraphs" in (
+        b.route_problem({"mode": "max-autotune", "cudagraphs": "off"}) or ""
+    )
     assert b.route_problem({"mode": "max-autotune-no-cudagraphs", "cudagraphs": "on"})
     assert "max-autotune" in (b.route_problem({"mode": "default", "gemm": "aten"}) or "")
     assert b.route_problem({"dtype": "bf16", "mode": "default"}) is None
@@ -53,7 +65,9 @@ def test_cpu_mode_refuses_what_needs_cuda_and_keeps_the_rest() -> None:
     b = InductorBuilder()
     ok, why = b.available()
     assert ok and "CPU only" in why
-    space = parse_space(b.knobs, "-dtype=[fp32|tf32|bf16|fp16] -mode=[default|max-autotune] -freezing=[off|on]")
+    space = parse_space(
+        b.knobs, "-dtype=[fp32|tf32|bf16|fp16] -mode=[default|max-autotune] -freezing=[off|on]"
+    )
     runnable = [dict(r) for r in full_routes(b.knobs, space) if b.route_problem(dict(r)) is None]
     assert {(r["dtype"], r["mode"]) for r in runnable} == {("fp32", "default"), ("bf16", "default")}
     assert "CUDA" in (b.route_problem(dict(parse_route(b.knobs, "-dtype=fp16"))) or "")
@@ -72,7 +86,12 @@ def test_build_needs_a_torch_model_and_names_a_bad_one(tmp_path: Path) -> None:
 
 def test_version_files_are_the_package_the_runtime_and_the_template(tmp_path: Path) -> None:
     (tmp_path / "model.pt2").write_bytes(b"pt2")
-    art = Artifact(tmp_path, "pt2", "model.pt2", {"device": "cpu", "inputs": [{"name": "x", "dtype": "float32"}], "outputs": ["y"]})
+    art = Artifact(
+        tmp_path,
+        "pt2",
+        "model.pt2",
+        {"device": "cpu", "inputs": [{"name": "x", "dtype": "float32"}], "outputs": ["y"]},
+    )
     files = InductorBuilder().version_files(art)
     assert files["model.pt2"] == tmp_path / "model.pt2"
     assert '"device": "cpu"' in str(files["runtime.json"])
@@ -88,8 +107,11 @@ def test_a_tuning_spec_names_the_torch_model_with_no_new_keys(tmp_path: Path) ->
     raw = {
         "model": {"name": "tiny", "source": "tiny.onnx", "repository": "repo"},
         "tolerance": {"*": {"metric": "cosine", "threshold": 0.999}},
-        "search": {"backend": "inductor", "routes": "-dtype=[fp32|bf16|fp16] -freezing=[off|on]",
-                   "options": {"torch_model": "benchmarks.gpu.models:tiny"}},
+        "search": {
+            "backend": "inductor",
+            "routes": "-dtype=[fp32|bf16|fp16] -freezing=[off|on]",
+            "options": {"torch_model": "benchmarks.gpu.models:tiny"},
+        },
     }
     spec = parse_spec(raw, tmp_path / "spec.toml")
     assert spec.search.options["torch_model"] == "benchmarks.gpu.models:tiny"

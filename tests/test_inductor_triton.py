@@ -26,8 +26,11 @@ from tuner.builders.ort import ort_runner
 from tuner.builders.worker import run_build
 
 # Faster test builds: an unoptimised C++ wrapper (the kernels keep their optimisation level).
-OPTIONS = {"torch_model": "benchmarks.gpu.models:tiny", "device": "cpu",
-           "inductor_extra": {"aot_inductor.compile_wrapper_opt_level": "O0"}}
+OPTIONS = {
+    "torch_model": "benchmarks.gpu.models:tiny",
+    "device": "cpu",
+    "inductor_extra": {"aot_inductor.compile_wrapper_opt_level": "O0"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Art
     source = export_onnx("tiny", root / "tiny.onnx")
 
     def build(dtype: str) -> Artifact:
-        art, _ = run_build("inductor", source, {"dtype": dtype}, root / dtype, BuildContext(OPTIONS), timeout_s=600)
+        art, _ = run_build(
+            "inductor", source, {"dtype": dtype}, root / dtype, BuildContext(OPTIONS), timeout_s=600
+        )
         return art
 
     with ThreadPoolExecutor(2) as pool:
@@ -51,7 +56,9 @@ def feeds(rows: int, seed: int) -> dict[str, np.ndarray]:
     return {"x": np.random.default_rng(seed).standard_normal((rows, 16)).astype(np.float32)}
 
 
-def test_fp32_package_computes_what_the_reference_onnx_computes(built: tuple[Path, dict[str, Artifact]]) -> None:
+def test_fp32_package_computes_what_the_reference_onnx_computes(
+    built: tuple[Path, dict[str, Artifact]],
+) -> None:
     source, arts = built
     art = arts["fp32"]
     assert art.format == "pt2" and art.path.stat().st_size > 0
@@ -89,10 +96,20 @@ def test_triton_serves_the_pt2_version_as_in_process(
     builder = InductorBuilder()
     repo = tmp_path / "repo"
     version = write_version(repo, "tinypt2", builder.version_files(arts["fp32"]))
-    assert sorted(p.name for p in (repo / "tinypt2" / str(version)).iterdir()) == ["model.pt2", "model.py", "runtime.json"]
+    assert sorted(p.name for p in (repo / "tinypt2" / str(version)).iterdir()) == [
+        "model.pt2",
+        "model.py",
+        "runtime.json",
+    ]
     assert json.loads((repo / "tinypt2" / str(version) / "runtime.json").read_text())["format"] == "pt2"
-    write_config(repo, ModelConfig("tinypt2", (TensorSpec("x", "FP32", (-1, 16)),),
-                                   (TensorSpec("y", "FP32", (-1, 8)), TensorSpec("score", "FP32", (-1, 1)))))
+    write_config(
+        repo,
+        ModelConfig(
+            "tinypt2",
+            (TensorSpec("x", "FP32", (-1, 16)),),
+            (TensorSpec("y", "FP32", (-1, 8)), TensorSpec("score", "FP32", (-1, 1))),
+        ),
+    )
     server = triton_factory(repo, models=["tinypt2"])
     in_process = builder.load(arts["fp32"])
     client = httpclient.InferenceServerClient(server.http_address)
@@ -110,14 +127,25 @@ def test_triton_serves_the_pt2_version_as_in_process(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph replay needs a CUDA device; covered by benchmarks/gpu/ on the H200")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA graph replay needs a CUDA device; covered by benchmarks/gpu/ on the H200",
+)
 def test_cuda_graph_replay_matches_plain_calls(tmp_path: Path) -> None:
     source = export_onnx("tiny", tmp_path / "tiny.onnx")
-    art, _ = run_build("inductor", source, {"dtype": "fp16", "cudagraphs": "on"}, tmp_path / "cg",
-                       BuildContext({"torch_model": "benchmarks.gpu.models:tiny", "device": "cuda"}), timeout_s=600)
+    art, _ = run_build(
+        "inductor",
+        source,
+        {"dtype": "fp16", "cudagraphs": "on"},
+        tmp_path / "cg",
+        BuildContext({"torch_model": "benchmarks.gpu.models:tiny", "device": "cuda"}),
+        timeout_s=600,
+    )
     assert art.runtime["cudagraphs"] is True
     graphs = InductorBuilder().load(art)
-    plain = InductorBuilder().load(Artifact(art.directory, art.format, art.primary, {**art.runtime, "cudagraphs": False}))
+    plain = InductorBuilder().load(
+        Artifact(art.directory, art.format, art.primary, {**art.runtime, "cudagraphs": False})
+    )
     for seed in (1, 2, 1):  # a replay must see new inputs, not the captured ones
         x = feeds(8, seed)
         np.testing.assert_array_equal(graphs(x)["y"], plain(x)["y"])

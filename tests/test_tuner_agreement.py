@@ -16,7 +16,7 @@ from loadtest.runner import run as run_locust
 from loadtest.synth import SynthSpec, write_synthetic
 from sidecar.client import AdminClient, SidecarProcess, write_token_file
 from tunegate import models
-from tunegate.demo import STRICT_SPEC, capture_spec
+from tunegate.app.demo import STRICT, capture_spec, spec_path
 from tunegate.repository import write_version
 from tuner.builders import Artifact, get_builder
 from tuner.release import gate_record
@@ -24,10 +24,12 @@ from tuner.search import tune
 
 pytestmark = [pytest.mark.slow, pytest.mark.triton, pytest.mark.timeout(1500)]
 
-# The tuner's MiniLM routes far from the budget on either side (specs/minilm.toml's space plus per-tensor int8);
+# The tuner's MiniLM routes far from the budget on either side (specs/minilm.toml's space);
 # int8-matmul sits at 1.2x the budget, where neither side can decide quickly (see README, "The demo").
-ROUTES = "-opt=all -fusion=bert -quant=[fp32|int8-channel-keepffn|int8-channel|int8-tensor] -threads=1"
-REPLAY_RATE = 12.0  # requests per second: what the mirror keeps up with on two cores (a saturated one is biased)
+ROUTES = "-opt=all -fusion=bert -quant=[fp32|int8-channel-keepffn|int8-channel] -threads=1"
+REPLAY_RATE = (
+    12.0  # requests per second: what the mirror keeps up with on two cores (a saturated one is biased)
+)
 
 
 def _canary(admin: AdminClient, url: str, version: int, traffic: Path, params: dict[str, Any],
@@ -50,17 +52,21 @@ def test_where_the_gate_passes_the_canary_promotes_and_where_it_rejects_the_cana
 ) -> None:
     capture = tmp_path / "capture"
     write_synthetic(capture / "capture-traffic.jsonl", SynthSpec(model=models.MINILM, requests=600, seed=3))
-    spec = capture_spec(STRICT_SPEC, capture, demo_repository, models.minilm_onnx(), tmp_path / "tune")
+    spec = capture_spec(spec_path(STRICT), capture, demo_repository, models.minilm_onnx(), tmp_path / "tune")
     spec = spec.with_search(routes=ROUTES)
     result = tune(spec, progress=False, write=False)
     judged = [r for r in result.routes if r.status in ("passed", "rejected") and r.artifact]
-    assert {r.knobs["quant"] for r in judged} == {"fp32", "int8-channel-keepffn", "int8-channel", "int8-tensor"}
+    assert {r.knobs["quant"] for r in judged} == {"fp32", "int8-channel-keepffn", "int8-channel"}
 
     builder = get_builder("onnxruntime")
     versions = {}
     for r in judged:
         files = builder.version_files(Artifact.load(Path(r.artifact or "")))
-        release = {"route": r.route, "tolerance": spec.tolerance.to_dict(), "gate": gate_record(spec, r.accuracy or {})}
+        release = {
+            "route": r.route,
+            "tolerance": spec.tolerance.to_dict(),
+            "gate": gate_record(spec, r.accuracy or {}),
+        }
         versions[r.route] = write_version(demo_repository, models.MINILM, files, release=release)
 
     triton = triton_factory(demo_repository, models=(models.MINILM,))

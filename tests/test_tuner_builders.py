@@ -31,8 +31,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BuildContext]:
 
 @pytest.mark.parametrize(
     ("quant", "op"),
-    [("fp16", "Cast"), ("int8-tensor", "DynamicQuantizeLinear"), ("int8-channel", "DynamicQuantizeLinear"),
-     ("int8-matmul", "MatMulInteger"), ("int8-static", "QuantizeLinear")],
+    [
+        ("fp16", "Cast"),
+        ("int8-tensor", "DynamicQuantizeLinear"),
+        ("int8-channel", "DynamicQuantizeLinear"),
+        ("int8-matmul", "MatMulInteger"),
+        ("int8-static", "QuantizeLinear"),
+    ],
 )
 def test_each_precision_builds_a_different_graph_that_runs_close_to_fp32(
     tiny: tuple[Path, BuildContext], tmp_path: Path, quant: str, op: str
@@ -40,7 +45,11 @@ def test_each_precision_builds_a_different_graph_that_runs_close_to_fp32(
     src, ctx = tiny
     route = {"opt": "all", "fusion": "none", "quant": quant, "threads": "1", "exec": "sequential"}
     artifact, seconds = run_build("onnxruntime", src, route, tmp_path / quant, ctx, timeout_s=120)
-    assert seconds > 0 and artifact.format == "onnx" and artifact.runtime["session"]["graph_optimization_level"] == "all"
+    assert (
+        seconds > 0
+        and artifact.format == "onnx"
+        and artifact.runtime["session"]["graph_optimization_level"] == "all"
+    )
     ops = {n.op_type for n in onnx.load(str(artifact.path)).graph.node}
     assert op in ops, ops
     got = get_builder("onnxruntime").load(artifact)({"x": X})
@@ -50,7 +59,9 @@ def test_each_precision_builds_a_different_graph_that_runs_close_to_fp32(
     assert rel < 0.2, rel  # ... without breaking the model (8-bit on a random MLP: a few percent)
 
 
-def test_keepffn_names_what_it_kept_and_fails_clearly_when_nothing_matches(tiny: tuple[Path, BuildContext], tmp_path: Path) -> None:
+def test_keepffn_names_what_it_kept_and_fails_clearly_when_nothing_matches(
+    tiny: tuple[Path, BuildContext], tmp_path: Path
+) -> None:
     src, ctx = tiny
     route = {"quant": "int8-channel-keepffn"}
     with pytest.raises(BuildError, match="matched no MatMul node"):
@@ -63,10 +74,14 @@ def test_keepffn_names_what_it_kept_and_fails_clearly_when_nothing_matches(tiny:
 
 
 def test_mixed_crosses_what_helped_and_halving_benchmarks_the_best_again(tmp_path: Path) -> None:
-    spec = load_spec(tiny_project(
-        tmp_path, objective={"min_speedup": 0.01}, bench={"repeats": 3, "cheap_repeats": 2, "e2e": False},
-        search={"routes": "-opt=[disable|basic] -exec=[sequential|parallel]", "halving_keep": 0.5},
-    ))
+    spec = load_spec(
+        tiny_project(
+            tmp_path,
+            objective={"min_speedup": 0.01},
+            bench={"repeats": 3, "cheap_repeats": 2, "e2e": False},
+            search={"routes": "-opt=[disable|basic] -exec=[sequential|parallel]", "halving_keep": 0.5},
+        )
+    )
     mixed = tune(spec, strategy="mixed", progress=False, write=False)
     # fast: 3 routes; all pass with min_speedup 0.01, so mixed adds the one crossed route
     assert len(mixed.routes) == 4 and len({r.route for r in mixed.routes}) == 4

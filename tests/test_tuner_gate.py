@@ -28,8 +28,10 @@ def requests(n: int, bad: set[int], seed: int = 0) -> tuple[gate.Outputs, gate.O
         rows = int(rng.integers(1, 5))
         r = rng.normal(size=(rows, 32)).astype(np.float32)
         noise = rng.normal(size=r.shape).astype(np.float32)
-        noise -= (noise * r).sum(axis=1, keepdims=True) / (r * r).sum(axis=1, keepdims=True) * r  # orthogonal to r
-        noise *= (np.linalg.norm(r, axis=1, keepdims=True) / np.linalg.norm(noise, axis=1, keepdims=True))
+        noise -= (
+            (noise * r).sum(axis=1, keepdims=True) / (r * r).sum(axis=1, keepdims=True) * r
+        )  # orthogonal to r
+        noise *= np.linalg.norm(r, axis=1, keepdims=True) / np.linalg.norm(noise, axis=1, keepdims=True)
         c = r + noise * np.float32(0.2 if i in bad else 0.01)  # cosine 1/sqrt(1+s^2): 0.981 or 0.99995
         if i in bad and rows > 1:
             c[1:] = r[1:]  # one bad row is enough: the request's worst row decides, as in the sidecar
@@ -49,7 +51,9 @@ def test_a_route_with_k_of_n_requests_out_of_tolerance_passes_exactly_when_the_b
     lower, upper = rate_bounds(k, n, conf)
     assert 0.0 <= lower <= k / n <= upper <= 1.0
     for budget, expected in ((upper, True), (upper * 0.999, False), (min(0.99, upper * 1.5), True)):
-        ev = gate.gate_evidence(ref, cand, TOL, GateSection(oot_budget=budget, confidence=conf, samples=n), inputs)
+        ev = gate.gate_evidence(
+            ref, cand, TOL, GateSection(oot_budget=budget, confidence=conf, samples=n), inputs
+        )
         rate = ev["rate"]
         assert (rate["k"], rate["n"]) == (k, n)
         assert rate["rate"] == pytest.approx(k / n) and rate["upper"] == upper and rate["lower"] == lower

@@ -42,8 +42,12 @@ def test_text_inputs_are_real_sentences_and_the_edges_cover_padding(tmp_path: Pa
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
-        [helper.make_node("Cast", ["input_ids"], ["out"], to=TensorProto.FLOAT)], "t",
-        [helper.make_tensor_value_info(n, TensorProto.INT64, ["b", "s"]) for n in ("input_ids", "attention_mask")],
+        [helper.make_node("Cast", ["input_ids"], ["out"], to=TensorProto.FLOAT)],
+        "t",
+        [
+            helper.make_tensor_value_info(n, TensorProto.INT64, ["b", "s"])
+            for n in ("input_ids", "attention_mask")
+        ],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["b", "s"])],
     )
     path = tmp_path / "text.onnx"
@@ -60,7 +64,9 @@ def test_text_inputs_are_real_sentences_and_the_edges_cover_padding(tmp_path: Pa
     assert {s.key: s.feeds["input_ids"].shape for s in inputs.bench} == {"b1xs32": (1, 32), "b4xs32": (4, 32)}
 
 
-def test_a_capture_becomes_the_gate_batches_and_its_common_shapes_the_bench(tmp_path: Path, tiny_onnx: Path) -> None:
+def test_a_capture_becomes_the_gate_batches_and_its_common_shapes_the_bench(
+    tmp_path: Path, tiny_onnx: Path
+) -> None:
     writer = CaptureWriter(tmp_path / "cap", max_per_second=1000)
     rng = np.random.default_rng(0)
     for i in range(6):
@@ -79,7 +85,9 @@ def test_a_capture_becomes_the_gate_batches_and_its_common_shapes_the_bench(tmp_
     with pytest.raises(InputsError, match="no captured requests for model 'absent'"):
         make_inputs(spec, tiny_onnx, "absent", samples=100)
     # fewer captured requests than the gate's budget needs: said at once, with both numbers
-    with pytest.raises(InputsError, match="6 captured requests for model 'tiny'; the gate needs at least 256"):
+    with pytest.raises(
+        InputsError, match="6 captured requests for model 'tiny'; the gate needs at least 256"
+    ):
         make_inputs(spec, tiny_onnx, "tiny", samples=300, needed=256)
 
 
@@ -91,8 +99,10 @@ def test_bench_stats_and_objective() -> None:
     from tuner.inputs import BenchShape
 
     shapes = [BenchShape("b1", 1, 1.0, {}), BenchShape("b8", 8, 3.0, {})]
-    per = {"b1": {"p50_ms": 2.0, "p95_ms": 3.0, "samples_per_s": 500.0},
-           "b8": {"p50_ms": 6.0, "p95_ms": 9.0, "samples_per_s": 8000 / 6}}
+    per = {
+        "b1": {"p50_ms": 2.0, "p95_ms": 3.0, "samples_per_s": 500.0},
+        "b8": {"p50_ms": 6.0, "p95_ms": 9.0, "samples_per_s": 8000 / 6},
+    }
     assert objective(per, shapes, ObjectiveSection("p50")) == pytest.approx((2 + 18) / 4)
     assert objective(per, shapes, ObjectiveSection("p95", batch_sizes=(8,))) == pytest.approx(9.0)
     assert objective(per, shapes, ObjectiveSection("throughput", batch_sizes=(1,))) == pytest.approx(2.0)

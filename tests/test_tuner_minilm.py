@@ -49,7 +49,9 @@ def test_minilm_int8_is_rejected_keepffn_wins_and_serves_in_triton(
     bad = rejected.accuracy["rate"]
     # rejected by its rate, with margin: even the lower bound is above the budget
     assert bad["n"] == n and bad["lower"] > budget and bad["passed"] is False, bad
-    assert rejected.accuracy["outputs"]["embedding"]["value"] < threshold  # its worst request is out of tolerance
+    assert (
+        rejected.accuracy["outputs"]["embedding"]["value"] < threshold
+    )  # its worst request is out of tolerance
     assert kept.status == "passed", kept.accuracy
     good = kept.accuracy["rate"]
     assert good["n"] == n and good["upper"] <= budget and good["rate"] < budget / 4, good
@@ -60,7 +62,9 @@ def test_minilm_int8_is_rejected_keepffn_wins_and_serves_in_triton(
     assert result.version == 2
     release = json.loads((result.version_path / "release.json").read_text())
     assert set(RELEASE_KEYS) <= set(release)
-    assert (release["gate"]["k"], release["gate"]["n"]) == (good["k"], n) and release["gate"]["budget"] == budget
+    assert (release["gate"]["k"], release["gate"]["n"]) == (good["k"], n) and release["gate"][
+        "budget"
+    ] == budget
     assert release["gate"]["classes"] and sum(release["gate"]["class_counts"].values()) == n
     assert release["builder_notes"]["fused"]["Attention"] == 6
     assert len(release["builder_notes"]["kept_fp32"]) == 6  # layer.0..5/output/dense

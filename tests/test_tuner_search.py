@@ -70,7 +70,7 @@ def tiny_project(tmp_path: Path, **sections: dict[str, Any]) -> Path:
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """`tunegate ARGS` in a child process, from the project root."""
-    cmd = [sys.executable, "-m", "tunegate.cli", *args]
+    cmd = [sys.executable, "-m", "tunegate.app.cli", *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -82,7 +82,9 @@ def tree_digest(path: Path) -> dict[str, str]:
 def test_the_gate_rejects_int8_keeps_fp32_and_the_written_version_serves_the_in_process_outputs(
     tmp_path: Path, triton_factory: Any
 ) -> None:
-    spec = load_spec(tiny_project(tmp_path, objective={"min_speedup": 0.01}, bench={"repeats": 5, "e2e_requests": 8}))
+    spec = load_spec(
+        tiny_project(tmp_path, objective={"min_speedup": 0.01}, bench={"repeats": 5, "e2e_requests": 8})
+    )
     repo = spec.model.repository
     before = tree_digest(repo / "tiny")
 
@@ -113,8 +115,12 @@ def test_the_gate_rejects_int8_keeps_fp32_and_the_written_version_serves_the_in_
     assert set(RELEASE_KEYS) <= set(release)
     assert release["version"] == 2 and release["baseline_version"] == 1
     assert release["route"] == result.winner.route
-    assert release["search"] == {"backend": "onnxruntime", "strategy": "fast", "budget_s": 120.0,
-                                 "routes": "-opt=[all|disable|basic] -quant=[fp32|int8-channel]"}
+    assert release["search"] == {
+        "backend": "onnxruntime",
+        "strategy": "fast",
+        "budget_s": 120.0,
+        "routes": "-opt=[all|disable|basic] -quant=[fp32|int8-channel]",
+    }
     assert release["knobs"] == result.winner.knobs
     assert release["spec_digest"] == spec.digest and release["spec"]["model"]["name"] == "tiny"
     assert ToleranceSpec.from_dict(release["tolerance"]).to_dict() == spec.tolerance.to_dict()
@@ -155,8 +161,12 @@ def test_the_gate_rejects_int8_keeps_fp32_and_the_written_version_serves_the_in_
 
 
 def test_no_route_beating_the_baseline_is_a_clean_result_with_nothing_written(tmp_path: Path) -> None:
-    spec_path = tiny_project(tmp_path, objective={"min_speedup": 1000.0}, bench={"repeats": 3, "e2e": False},
-                             search={"routes": "-opt=[all|disable]"})
+    spec_path = tiny_project(
+        tmp_path,
+        objective={"min_speedup": 1000.0},
+        bench={"repeats": 3, "e2e": False},
+        search={"routes": "-opt=[all|disable]"},
+    )
     proc = run_cli("tune", str(spec_path), "--json")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
@@ -168,8 +178,14 @@ def test_no_route_beating_the_baseline_is_a_clean_result_with_nothing_written(tm
 
 
 def test_a_route_that_builds_the_baseline_itself_is_not_released(tmp_path: Path) -> None:
-    spec = load_spec(tiny_project(tmp_path, objective={"min_speedup": 0.01}, bench={"repeats": 3, "e2e": False},
-                                  search={"routes": "-opt=all -quant=fp32"}))
+    spec = load_spec(
+        tiny_project(
+            tmp_path,
+            objective={"min_speedup": 0.01},
+            bench={"repeats": 3, "e2e": False},
+            search={"routes": "-opt=all -quant=fp32"},
+        )
+    )
     result = tune(spec, progress=False)
     assert [r.status for r in result.routes] == ["passed"]
     assert result.winner is None and "build exactly the baseline" in result.reason
@@ -178,7 +194,10 @@ def test_a_route_that_builds_the_baseline_itself_is_not_released(tmp_path: Path)
 
 def test_routes_and_dry_run_list_knobs_and_routes_without_building(tmp_path: Path) -> None:
     spec_path = tiny_project(tmp_path)
-    for args in (["routes", str(spec_path), "--json"], ["tune", str(spec_path), "--dry-run", "--strategy", "full", "--json"]):
+    for args in (
+        ["routes", str(spec_path), "--json"],
+        ["tune", str(spec_path), "--dry-run", "--strategy", "full", "--json"],
+    ):
         proc = run_cli(*args)
         assert proc.returncode == 0, proc.stderr
         plan = json.loads(proc.stdout)

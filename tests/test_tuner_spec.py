@@ -46,8 +46,12 @@ def test_the_minilm_specs_parse(tmp_path: Path, tiny_onnx: Path) -> None:
         spec = parse_spec(raw, ROOT / "specs" / name)
         assert spec.model.name == "minilm"
         assert spec.tolerance.for_output("embedding").metric == "cosine"
-    strict = tomllib.loads((ROOT / "specs" / "minilm.toml").read_text())["tolerance"]["embedding"]["threshold"]
-    loose = tomllib.loads((ROOT / "specs" / "minilm-loose.toml").read_text())["tolerance"]["embedding"]["threshold"]
+    strict = tomllib.loads((ROOT / "specs" / "minilm.toml").read_text())["tolerance"]["embedding"][
+        "threshold"
+    ]
+    loose = tomllib.loads((ROOT / "specs" / "minilm-loose.toml").read_text())["tolerance"]["embedding"][
+        "threshold"
+    ]
     assert loose < strict
 
 
@@ -84,11 +88,17 @@ def test_the_digest_changes_with_the_gate(tiny_onnx: Path, tmp_path: Path) -> No
         (lambda d: d.update(search={"budget_s": "soon"}), "budget_s: expected a number"),
         (lambda d: d.update(bench={"repeats": 2.5}), "repeats: expected an integer"),
         (lambda d: d.update(bench={"e2e": "yes"}), "e2e: expected true or false"),
-        (lambda d: d["inputs"].update(shapes=[{"batch": 0}]), "[inputs].shapes[0].batch must be an integer >= 1"),
+        (
+            lambda d: d["inputs"].update(shapes=[{"batch": 0}]),
+            "[inputs].shapes[0].batch must be an integer >= 1",
+        ),
         (lambda d: d["inputs"].update(values="zipf"), "[inputs].values is 'zipf'"),
         (lambda d: d["inputs"].update(source="capture"), "needs [inputs].capture"),
         (lambda d: d["inputs"].update(colour="red"), "unknown keys ['colour']"),
-        (lambda d: d.update(objective={"batch_sizes": [8]}), "[objective].batch_sizes [8] are not batch sizes"),
+        (
+            lambda d: d.update(objective={"batch_sizes": [8]}),
+            "[objective].batch_sizes [8] are not batch sizes",
+        ),
         (lambda d: d.update(objective={"metric": "p99"}), "[objective].metric is 'p99'"),
         (lambda d: d.update(reference={"precision": "fp16"}), "[reference].precision is 'fp16'"),
     ],

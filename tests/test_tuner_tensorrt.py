@@ -39,7 +39,9 @@ def test_without_tensorrt_the_builder_says_why_and_the_search_refuses(tmp_path: 
     ok, why = TensorRTBuilder().available()
     assert not ok and why == UNAVAILABLE
     spec = load_spec(tiny_project(tmp_path, search={"backend": "tensorrt", "routes": "-opt_level=3"}))
-    with pytest.raises(TuneError, match="backend tensorrt cannot run here: TensorRT cannot be installed"):
+    with pytest.raises(
+        TuneError, match="backend tensorrt cannot run here: the tensorrt Python package is not installed"
+    ):
         tune(spec, progress=False)
     assert not (tmp_path / "work").exists()
 
@@ -53,7 +55,9 @@ def test_tensorrt_builds_a_plan_that_matches_onnx_runtime(tmp_path: Path) -> Non
     src = models.build_tiny(tmp_path / "tiny.onnx")
     x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
     save_batches(tmp_path / "calib.npz", [{"x": x[:1]}, {"x": x}])
-    ctx = BuildContext(options={"timing_cache": str(tmp_path / "timing.cache")}, calibration=tmp_path / "calib.npz")
+    ctx = BuildContext(
+        options={"timing_cache": str(tmp_path / "timing.cache")}, calibration=tmp_path / "calib.npz"
+    )
     route = {"opt_level": "3", "tiling": "none", "build_route": "default"}
     artifact, seconds = run_build("tensorrt", src, route, tmp_path / "plan", ctx, timeout_s=600)
     assert artifact.path.name == "model.plan" and seconds > 0

@@ -56,7 +56,13 @@ def bench_runner(
 
 
 def bench_paired(
-    candidate: Runner, baseline: Runner, shapes: Sequence[BenchShape], *, warmup: int, repeats: int, bootstrap: int
+    candidate: Runner,
+    baseline: Runner,
+    shapes: Sequence[BenchShape],
+    *,
+    warmup: int,
+    repeats: int,
+    bootstrap: int,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """Candidate and baseline timed alternately, run by run, so drift in machine load hits both alike.
 
@@ -81,7 +87,9 @@ def bench_paired(
     return cand, base
 
 
-def objective(per_shape: Mapping[str, Mapping[str, Any]], shapes: Sequence[BenchShape], obj: ObjectiveSection) -> float:
+def objective(
+    per_shape: Mapping[str, Mapping[str, Any]], shapes: Sequence[BenchShape], obj: ObjectiveSection
+) -> float:
     """The ranking number (lower is better): weighted mean p50/p95 in ms, or ms per sample for throughput."""
     chosen = [s for s in shapes if not obj.batch_sizes or s.batch in obj.batch_sizes] or list(shapes)
     weights = np.array([s.weight for s in chosen], dtype=np.float64)

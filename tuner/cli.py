@@ -1,4 +1,4 @@
-"""`tunegate tune SPEC` and `tunegate routes SPEC`: the tuner's command line (registered in tunegate/cli.py).
+"""`tunegate tune SPEC` and `tunegate routes SPEC`: the tuner's command line (registered in tunegate/app/cli.py).
 
 Exit codes: 0 done (a winner written, or a clear "no winner"), 1 the search could not run
 (backend or server failure), 2 bad spec, bad route expression or a cache that cannot be resumed.
@@ -14,25 +14,43 @@ from typing import Any
 from rich.markup import escape
 
 from tunegate.console import CliError, emit_json, err, out
+from tunegate.triton import TritonError
+from tuner.builders import BuildError
+from tuner.cache import CacheError
+from tuner.inputs import InputsError
+from tuner.routes import RouteError
+from tuner.search import TuneError, plan, tune
+from tuner.spec import STRATEGIES, SpecError, load_spec
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from tuner.spec import STRATEGIES
 
     t = sub.add_parser("tune", help="search build routes, gate accuracy, write the winner as a new version")
     t.add_argument("spec", type=Path, help="tuning spec (TOML), e.g. specs/minilm.toml")
     t.add_argument("--strategy", choices=STRATEGIES, default=None, help="override [search].strategy")
     t.add_argument("--budget-s", type=float, default=None, help="override [search].budget_s (seconds)")
-    t.add_argument("--routes", default=None, metavar="EXPR",
-                   help="override [search].routes, e.g. '-quant=int8-channel' to build one given route")
-    t.add_argument("--continue", dest="resume", action="store_true",
-                   help="resume the cached search of this spec (after a kill) without redoing finished routes")
-    t.add_argument("--dry-run", action="store_true", help="list the routes the strategy would run; build nothing")
+    t.add_argument(
+        "--routes",
+        default=None,
+        metavar="EXPR",
+        help="override [search].routes, e.g. '-quant=int8-channel' to build one given route",
+    )
+    t.add_argument(
+        "--continue",
+        dest="resume",
+        action="store_true",
+        help="resume the cached search of this spec (after a kill) without redoing finished routes",
+    )
+    t.add_argument(
+        "--dry-run", action="store_true", help="list the routes the strategy would run; build nothing"
+    )
     t.add_argument("--no-write", action="store_true", help="search and report, but write no version")
     t.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     t.set_defaults(func=cmd_tune)
 
-    r = sub.add_parser("routes", help="list a spec's knobs (allowed values, default, help) and the routes a strategy runs")
+    r = sub.add_parser(
+        "routes", help="list a spec's knobs (allowed values, default, help) and the routes a strategy runs"
+    )
     r.add_argument("spec", type=Path)
     r.add_argument("--strategy", choices=STRATEGIES, default=None)
     r.add_argument("--json", action="store_true")
@@ -40,21 +58,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from tuner.routes import RouteError
-    from tuner.spec import SpecError, load_spec
 
     try:
         spec = load_spec(args.spec)
         if getattr(args, "routes", None) is not None:
             spec = dataclasses.replace(spec, search=dataclasses.replace(spec.search, routes=args.routes))
-        from tuner.search import plan
 
         return spec, plan(spec, args.strategy)
     except (SpecError, RouteError) as exc:
         raise CliError(str(exc)) from exc
     except Exception as exc:
-        from tuner.builders import BuildError
-
         if isinstance(exc, BuildError):
             raise CliError(str(exc)) from exc
         raise
@@ -72,23 +85,25 @@ def cmd_routes(args: argparse.Namespace) -> int:
 def _print_plan(p: dict[str, Any]) -> None:
     from rich.table import Table
 
-    head = f"backend [bold]{p['backend']}[/]" + ("" if p["available"] else f" [red](unavailable: {escape(p['why'])})[/]")
+    head = f"backend [bold]{p['backend']}[/]" + (
+        "" if p["available"] else f" [red](unavailable: {escape(p['why'])})[/]"
+    )
     out.print(head)
     knobs = Table("knob", "values", "default", "in this spec", "help", title="knobs")
     for k in p["knobs"]:
-        knobs.add_row(f"-{k['name']}", "|".join(k["values"]), k["default"], "|".join(p["space"][k["name"]]), k["help"])
+        knobs.add_row(
+            f"-{k['name']}", "|".join(k["values"]), k["default"], "|".join(p["space"][k["name"]]), k["help"]
+        )
     out.print(knobs)
-    out.print(f"strategy [bold]{p['strategy']}[/]: {p['note']}; {len(p['routes'])} route(s) "
-              f"(the full product has {p['full_size']}):")
+    out.print(
+        f"strategy [bold]{p['strategy']}[/]: {p['note']}; {len(p['routes'])} route(s) "
+        f"(the full product has {p['full_size']}):"
+    )
     for r in p["routes"]:
         out.print(f"  {r}")
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from tunegate.triton import TritonError
-    from tuner.cache import CacheError
-    from tuner.inputs import InputsError
-    from tuner.search import TuneError, tune
 
     if args.budget_s is not None and not args.budget_s > 0:
         raise CliError(f"--budget-s must be a number of seconds > 0, got {args.budget_s:g}")
@@ -102,8 +117,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not p["available"]:
         raise CliError(f"backend {p['backend']} cannot run here: {p['why']}", code=1)
     try:
-        result = tune(spec, strategy=args.strategy, budget_s=args.budget_s, resume=args.resume,
-                      progress=not args.json, write=not args.no_write)
+        result = tune(
+            spec,
+            strategy=args.strategy,
+            budget_s=args.budget_s,
+            resume=args.resume,
+            progress=not args.json,
+            write=not args.no_write,
+        )
     except (CacheError, InputsError) as exc:
         raise CliError(str(exc)) from exc
     except (TuneError, TritonError) as exc:
@@ -118,14 +139,26 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def _print_summary(result: Any) -> None:
     from rich.table import Table
 
-    table = Table("route", "status", "speedup", "objective ms", "build s", "gate", title=f"{result.model}: {result.strategy}")
+    table = Table(
+        "route",
+        "status",
+        "speedup",
+        "objective ms",
+        "build s",
+        "gate",
+        title=f"{result.model}: {result.strategy}",
+    )
     colors = {"passed": "green", "rejected": "red", "failed": "yellow", "skipped": "dim"}
     for r in sorted(result.routes, key=lambda r: (r.status != "passed", r.objective_ms or 1e18)):
         gate = (r.accuracy or {}).get("summary") or (r.error or "")
-        table.add_row(escape(r.route), f"[{colors.get(r.status, 'white')}]{r.status}[/]",
-                      f"{r.speedup:.2f}x" if r.speedup is not None else "—",
-                      f"{r.objective_ms:.2f}" if r.objective_ms is not None else "—",
-                      f"{r.build_seconds:.1f}" if r.build_seconds is not None else "—", escape(gate[:160]))
+        table.add_row(
+            escape(r.route),
+            f"[{colors.get(r.status, 'white')}]{r.status}[/]",
+            f"{r.speedup:.2f}x" if r.speedup is not None else "—",
+            f"{r.objective_ms:.2f}" if r.objective_ms is not None else "—",
+            f"{r.build_seconds:.1f}" if r.build_seconds is not None else "—",
+            escape(gate[:160]),
+        )
     out.print(table)
     out.print(f"baseline version {result.baseline['version']}: {result.baseline['objective_ms']:.2f} ms")
     if result.winner is not None and result.version is not None:

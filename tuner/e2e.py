@@ -7,7 +7,6 @@ same outputs as in process, then driven with concurrent requests of the benchmar
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 import threading
@@ -18,7 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from tunegate import pbtxt
+from tunegate.procs import TUNE_KILL_AT_ENV, kill_point
 from tunegate.records import atomic_write_text
 from tunegate.repository import set_version_policy, write_version
 from tunegate.triton import EmbeddedTriton, TritonOptions
@@ -35,13 +37,12 @@ def baseline_files(version_dir: Path) -> dict[str, Path | bytes | str]:
 
 
 def _config_for(config_text: str, name: str) -> str:
-    text, n = re.subn(r'^name:\s*"[^"]*"', f'name: "{name}"', config_text, count=1, flags=re.MULTILINE)
-    if n == 0:
-        text = f'name: "{name}"\n' + config_text
-    return set_version_policy(text, [1])
+    return set_version_policy(pbtxt.with_name(config_text, name), [1])
 
 
-def _infer(client: Any, model: str, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+def _infer(
+    client: Any, model: str, feeds: Mapping[str, npt.NDArray[Any]], outputs: Sequence[str]
+) -> dict[str, npt.NDArray[Any]]:
     import tritonclient.http as httpclient
     from tritonclient.utils import np_to_triton_dtype
 
@@ -55,8 +56,15 @@ def _infer(client: Any, model: str, feeds: Mapping[str, np.ndarray], outputs: Se
     return {o: result.as_numpy(o) for o in outputs}
 
 
-def _drive(address: str, model: str, inputs: InputSet, outputs: Sequence[str], concurrency: int, requests: int,
-           bootstrap: int) -> dict[str, Any]:
+def _drive(
+    address: str,
+    model: str,
+    inputs: InputSet,
+    outputs: Sequence[str],
+    concurrency: int,
+    requests: int,
+    bootstrap: int,
+) -> dict[str, Any]:
     import tritonclient.http as httpclient
 
     shapes = list(inputs.bench)
@@ -94,7 +102,7 @@ def run_e2e(
     repository: Path,
     baseline_dir: Path,
     finalists: Sequence[tuple[str, Mapping[str, Path | bytes | str]]],
-    in_process: Mapping[str, list[dict[str, np.ndarray]]],
+    in_process: Mapping[str, list[dict[str, npt.NDArray[Any]]]],
     inputs: InputSet,
     workdir: Path,
     concurrency: int,
@@ -118,9 +126,12 @@ def run_e2e(
             atomic_write_text(tmp / name / "config.pbtxt", _config_for(config_text, name))
             names[route] = name
         results: dict[str, dict[str, Any]] = {}
-        with EmbeddedTriton(TritonOptions(repository=tmp, models=tuple(names.values())), workdir=tmp / "triton") as server:
+        with EmbeddedTriton(
+            TritonOptions(repository=tmp, models=tuple(names.values())), workdir=tmp / "triton"
+        ) as server:
             import tritonclient.http as httpclient
 
+            kill_point(TUNE_KILL_AT_ENV, "serving")
             client = httpclient.InferenceServerClient(server.http_address, network_timeout=300)
             try:
                 for route, name in names.items():
@@ -129,14 +140,26 @@ def run_e2e(
                     served = [_infer(client, name, b.feeds, outs) for b in inputs.gate]
                     diff = max(
                         float(np.max(np.abs(s[o].astype(np.float64) - e[o].astype(np.float64)), initial=0.0))
-                        for s, e in zip(served, expected, strict=True) for o in outs
+                        for s, e in zip(served, expected, strict=True)
+                        for o in outs
                     )
-                    results[route] = {"triton_model": name, "max_abs_diff_vs_in_process": diff, "served": served}
+                    results[route] = {
+                        "triton_model": name,
+                        "max_abs_diff_vs_in_process": diff,
+                        "served": served,
+                    }
             finally:
                 client.close()
             for route, name in names.items():
-                results[route]["latency"] = _drive(server.http_address, name, inputs, list(in_process[route][0]),
-                                                   concurrency, requests, bootstrap)
+                results[route]["latency"] = _drive(
+                    server.http_address,
+                    name,
+                    inputs,
+                    list(in_process[route][0]),
+                    concurrency,
+                    requests,
+                    bootstrap,
+                )
         return results
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

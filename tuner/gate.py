@@ -19,22 +19,22 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from tunegate import codec
+from tunegate.classes import request_class
 from tunegate.stats import rate_bounds
 from tunegate.tolerance import ToleranceSpec, Verdict, compare, compare_many
 from tuner.builders.base import Runner
 from tuner.inputs import InputSet
 from tuner.spec import GateSection
 
-Outputs = list[dict[str, np.ndarray]]
+Outputs = list[dict[str, npt.NDArray[Any]]]
 MAX_OOT_LISTED = 20  # the evidence names at most this many out-of-tolerance requests
 
 
 def request_classes(inputs: InputSet) -> dict[str, int]:
     """Gate requests per request class, named as the sidecar's judge names live ones (batch, sequence bucket)."""
-    from sidecar.mirror import request_class
-    from tunegate import codec
-
     counts: dict[str, int] = {}
     for b in inputs.gate:
         body, hl = codec.encode_request(b.feeds, binary=True)
@@ -88,8 +88,10 @@ class RateVerdict:
 
     def describe(self) -> str:
         op = "<=" if self.passed else ">"
-        return (f"out of tolerance {self.k}/{self.n} = {100 * self.rate:.2f}% (upper bound {100 * self.upper:.2f}% "
-                f"at {self.confidence:g}) {op} budget {100 * self.budget:g}%")
+        return (
+            f"out of tolerance {self.k}/{self.n} = {100 * self.rate:.2f}% (upper bound {100 * self.upper:.2f}% "
+            f"at {self.confidence:g}) {op} budget {100 * self.budget:g}%"
+        )
 
     def to_dict(self, inputs: InputSet | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -101,8 +103,9 @@ class RateVerdict:
         return d
 
 
-def oot_rate(reference: Outputs, candidate: Outputs, tolerance: ToleranceSpec, budget: float,
-             confidence: float) -> RateVerdict:
+def oot_rate(
+    reference: Outputs, candidate: Outputs, tolerance: ToleranceSpec, budget: float, confidence: float
+) -> RateVerdict:
     """Each request judged on its own by `compare` (the sidecar's live check), then the rate's bounds."""
     if len(reference) != len(candidate):
         raise ValueError(f"{len(reference)} reference requests but {len(candidate)} candidate requests")
@@ -113,8 +116,9 @@ def oot_rate(reference: Outputs, candidate: Outputs, tolerance: ToleranceSpec, b
     return RateVerdict(len(oot), n, lower, upper, budget, confidence, oot)
 
 
-def gate_evidence(reference: Outputs, candidate: Outputs, tolerance: ToleranceSpec, gate: GateSection,
-                  inputs: InputSet) -> dict[str, Any]:
+def gate_evidence(
+    reference: Outputs, candidate: Outputs, tolerance: ToleranceSpec, gate: GateSection, inputs: InputSet
+) -> dict[str, Any]:
     """The gate's verdict and its evidence (what the cache, the report and release.json keep).
 
     `passed` needs the rate's upper bound within the budget and every `[gate.checks]` tolerance;
@@ -157,7 +161,7 @@ def error_value(accuracy: dict[str, Any]) -> float:
     return float(worst) if np.isfinite(worst) else 0.0
 
 
-def identical(a: Sequence[dict[str, np.ndarray]], b: Sequence[dict[str, np.ndarray]]) -> bool:
+def identical(a: Sequence[dict[str, npt.NDArray[Any]]], b: Sequence[dict[str, npt.NDArray[Any]]]) -> bool:
     """Bit-identical outputs (the rebuild check)."""
     if len(a) != len(b):
         return False

@@ -19,28 +19,33 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from tunegate.capture import CaptureError, read_capture
+from tunegate.codec import CodecError
+from tunegate.errors import InputError
+from tunegate.textdata import Tokenizer, sentences
 from tuner.spec import InputsSection, Shape
 
 TEXT_INPUTS = ("input_ids", "attention_mask")
 DEFAULT_SEQUENCE = 16
 
 
-class InputsError(ValueError):
+class InputsError(InputError):
     """Inputs that cannot be made for this model (the message says what and why)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class InputDesc:
     name: str
-    dtype: np.dtype
+    dtype: np.dtype[Any]
     dims: tuple[int | str, ...]  # ints are fixed, strings symbolic
 
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
     label: str  # "dist-3", "edge:largest", "capture-12"
-    feeds: dict[str, np.ndarray]
+    feeds: dict[str, npt.NDArray[Any]]
 
     @property
     def rows(self) -> int:
@@ -52,7 +57,7 @@ class BenchShape:
     key: str  # "b8xs32"
     batch: int
     weight: float
-    feeds: dict[str, np.ndarray]
+    feeds: dict[str, npt.NDArray[Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +103,9 @@ def _shape_of(desc: InputDesc, batch: int, sequence: int | None) -> tuple[int, .
     return tuple(shape)
 
 
-def _random_feeds(descs: list[InputDesc], spec: InputsSection, shape: Shape, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _random_feeds(
+    descs: list[InputDesc], spec: InputsSection, shape: Shape, rng: np.random.Generator
+) -> dict[str, npt.NDArray[Any]]:
     feeds = {}
     for d in descs:
         dims = _shape_of(d, shape.batch, shape.sequence)
@@ -122,7 +129,6 @@ class _Text:
     """Tokenised real sentences for BERT-style inputs."""
 
     def __init__(self, descs: list[InputDesc], spec: InputsSection) -> None:
-        from tunegate.textdata import Tokenizer, sentences
 
         names = {d.name for d in descs}
         if not set(TEXT_INPUTS) <= names:
@@ -136,7 +142,7 @@ class _Text:
         self.longest = [self.pool[i] for i in order[::-1][:64]]
         self.max_length = spec.max_length
 
-    def feeds(self, texts: list[str], pad_to: int | None) -> dict[str, np.ndarray]:
+    def feeds(self, texts: list[str], pad_to: int | None) -> dict[str, npt.NDArray[np.int64]]:
         f = self.tok(texts, pad_to=pad_to)
         if pad_to is not None:  # truncate to a fixed sequence too, so bench shapes are exact
             f = {k: v[:, :pad_to] for k, v in f.items()}
@@ -144,12 +150,12 @@ class _Text:
             f["token_type_ids"] = np.zeros_like(f["input_ids"])
         return f
 
-    def sample(self, shape: Shape, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    def sample(self, shape: Shape, rng: np.random.Generator) -> dict[str, npt.NDArray[np.int64]]:
         idx = rng.choice(len(self.pool), size=shape.batch, replace=len(self.pool) < shape.batch)
         return self.feeds([self.pool[i] for i in idx], shape.sequence)
 
 
-def _digest(batches: list[dict[str, np.ndarray]]) -> str:
+def _digest(batches: list[dict[str, npt.NDArray[Any]]]) -> str:
     h = hashlib.sha256()
     for feeds in batches:
         for name in sorted(feeds):
@@ -159,7 +165,9 @@ def _digest(batches: list[dict[str, np.ndarray]]) -> str:
     return h.hexdigest()
 
 
-def _edge_cases(descs: list[InputDesc], spec: InputsSection, text: _Text | None, rng: np.random.Generator) -> list[Batch]:
+def _edge_cases(
+    descs: list[InputDesc], spec: InputsSection, text: _Text | None, rng: np.random.Generator
+) -> list[Batch]:
     small_b = min(s.batch for s in spec.shapes)
     large_b = max(s.batch for s in spec.shapes)
     seqs = [s.sequence for s in spec.shapes if s.sequence]
@@ -178,9 +186,9 @@ def _edge_cases(descs: list[InputDesc], spec: InputsSection, text: _Text | None,
     ]
 
 
-def _from_capture(spec: InputsSection, model: str, descs: list[InputDesc], samples: int, needed: int) -> InputSet:
-    from tunegate.capture import CaptureError, read_capture
-    from tunegate.codec import CodecError
+def _from_capture(
+    spec: InputsSection, model: str, descs: list[InputDesc], samples: int, needed: int
+) -> InputSet:
 
     assert spec.capture is not None
     gate: list[Batch] = []
@@ -190,8 +198,10 @@ def _from_capture(spec: InputsSection, model: str, descs: list[InputDesc], sampl
         if not records:
             raise InputsError(f"{spec.capture}: no captured requests for model {model!r}")
         if len(records) < needed:
-            raise InputsError(f"{spec.capture}: {len(records)} captured requests for model {model!r}; the gate needs "
-                              f"at least {needed} to show its out-of-tolerance budget (capture more traffic)")
+            raise InputsError(
+                f"{spec.capture}: {len(records)} captured requests for model {model!r}; the gate needs "
+                f"at least {needed} to show its out-of-tolerance budget (capture more traffic)"
+            )
         for i, rec in enumerate(records[:samples]):
             gate.append(Batch(f"capture-{i}", rec.decode().arrays()))
     except (CaptureError, CodecError) as exc:
@@ -199,7 +209,9 @@ def _from_capture(spec: InputsSection, model: str, descs: list[InputDesc], sampl
     wanted = {d.name for d in descs}
     for b in gate:
         if set(b.feeds) != wanted:
-            raise InputsError(f"{b.label}: captured inputs {sorted(b.feeds)} are not the model's {sorted(wanted)}")
+            raise InputsError(
+                f"{b.label}: captured inputs {sorted(b.feeds)} are not the model's {sorted(wanted)}"
+            )
     counts = Counter(tuple(b.feeds[n].shape for n in sorted(b.feeds)) for b in gate)
     bench = []
     for shapes, n in counts.most_common(4):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Self
 
+from tunegate.console import err
+
 
 class Reporter:
     """A no-op unless enabled; `done` takes a route result (route, status, speedup, reused)."""
@@ -25,10 +27,15 @@ class Reporter:
                 TimeElapsedColumn,
             )
 
-            from tunegate.console import err
-
-            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                      MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=False)
+            self._progress = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=err,
+                transient=False,
+            )
             self._progress.start()
             self._task = self._progress.add_task("routes", total=0)
         return self
@@ -55,4 +62,6 @@ class Reporter:
             self._progress.advance(self._task)
             spd = f" {result.speedup:.2f}x" if result.speedup is not None else ""
             color = {"passed": "green", "rejected": "red"}.get(result.status, "yellow")
-            self.note(f"[{color}]{result.status}[/]{spd} {result.route}" + (" (cached)" if result.reused else ""))
+            self.note(
+                f"[{color}]{result.status}[/]{spd} {result.route}" + (" (cached)" if result.reused else "")
+            )

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tunegate.repository import sha256_file, write_version
+from tunegate import __version__
+from tunegate.repository import next_version, sha256_file, write_version
 from tuner.builders.base import Artifact, Builder
-from tuner.spec import TuneSpec
+from tuner.spec import ReferenceSection, TuneSpec
 
 RELEASE_KEYS = (
     "model", "version", "route", "knobs", "spec", "spec_digest", "reference", "tolerance", "inputs_digest",
@@ -47,7 +48,11 @@ def gpu_info() -> dict[str, str]:
         return {}
     try:
         query = [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"]
-        out = subprocess.run(query, capture_output=True, text=True, timeout=10, check=False).stdout.strip().splitlines()
+        out = (
+            subprocess.run(query, capture_output=True, text=True, timeout=10, check=False)
+            .stdout.strip()
+            .splitlines()
+        )
         head = subprocess.run([smi], capture_output=True, text=True, timeout=10, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
@@ -79,7 +84,6 @@ def tool_versions(builder: Builder) -> dict[str, Any]:
 
 
 def _tunegate_version() -> str:
-    from tunegate import __version__
 
     return __version__
 
@@ -100,7 +104,6 @@ def build_release(
     gate: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """release.json's content; `gate` is the winner's gate evidence (tuner.gate.gate_evidence)."""
-    from tuner.spec import ReferenceSection
 
     ref: ReferenceSection = spec.reference
     return {
@@ -145,7 +148,7 @@ MIN_CLASS_REQUESTS = 10
 def gate_record(spec: TuneSpec, evidence: Mapping[str, Any]) -> dict[str, Any]:
     """The gate as release.json keeps it: the rate in the canary's terms, next to the spec's budget.
 
-    `classes` maps each main request class (sidecar.mirror.request_class; at least MIN_CLASS_SHARE of the
+    `classes` maps each main request class (tunegate.classes.request_class; at least MIN_CLASS_SHARE of the
     gate's requests and MIN_CLASS_REQUESTS of them) to its share: the sidecar's canary expects live
     evidence on each before it promotes. `class_counts` has every class the gate saw.
     """
@@ -167,16 +170,20 @@ def gate_record(spec: TuneSpec, evidence: Mapping[str, Any]) -> dict[str, Any]:
         "source": spec.inputs.source,
         "checks": g.checks.to_dict() if g.checks is not None else {},
         "checks_passed": evidence.get("checks_passed"),
-        "classes": {c: round(n / total, 4) for c, n in counts.items()
-                    if c and n >= MIN_CLASS_REQUESTS and n >= MIN_CLASS_SHARE * total},
+        "classes": {
+            c: round(n / total, 4)
+            for c, n in counts.items()
+            if c and n >= MIN_CLASS_REQUESTS and n >= MIN_CLASS_SHARE * total
+        },
         "class_counts": counts,
     }
 
 
-def write_release(spec: TuneSpec, builder: Builder, artifact: Artifact, release: dict[str, Any]) -> tuple[int, Path]:
+def write_release(
+    spec: TuneSpec, builder: Builder, artifact: Artifact, release: dict[str, Any]
+) -> tuple[int, Path]:
     """Stage the winner's files plus release.json and rename them to the next free version."""
     model_dir = spec.model.repository / spec.model.name
-    from tunegate.repository import next_version
 
     # The version number goes into release.json before staging; write_version retries the next
     # number if another writer takes this one, so it is re-checked afterwards.
@@ -184,8 +191,13 @@ def write_release(spec: TuneSpec, builder: Builder, artifact: Artifact, release:
         guess = next_version(model_dir)
         release["version"] = guess
         try:
-            version = write_version(spec.model.repository, spec.model.name, builder.version_files(artifact),
-                                    version=guess, release=release)
+            version = write_version(
+                spec.model.repository,
+                spec.model.name,
+                builder.version_files(artifact),
+                version=guess,
+                release=release,
+            )
         except OSError:
             if (model_dir / str(guess)).exists():
                 continue

@@ -23,8 +23,9 @@ from tuner.spec import GateSection
 COLORS = {"passed": "#2a9d3f", "rejected": "#d62828", "failed": "#777777", "skipped": "#bbbbbb"}
 
 
-def _rate_panel(ax: Any, routes: Sequence[Mapping[str, Any]], gate: GateSection, baseline_ms: float | None,
-                metric: str) -> None:
+def _rate_panel(
+    ax: Any, routes: Sequence[Mapping[str, Any]], gate: GateSection, baseline_ms: float | None, metric: str
+) -> None:
     for status, color in COLORS.items():
         pts = [(r["objective_ms"], 100 * r["accuracy"]["rate"]["upper"]) for r in routes
                if r.get("status") == status and r.get("objective_ms") is not None
@@ -35,7 +36,9 @@ def _rate_panel(ax: Any, routes: Sequence[Mapping[str, Any]], gate: GateSection,
     ax.axhline(100 * gate.oot_budget, color="#d62828", linestyle="--", linewidth=1,
                label=f"budget {100 * gate.oot_budget:g}% (upper bound at {gate.confidence:g})")  # fmt: skip
     if baseline_ms is not None:
-        ax.axvline(baseline_ms, color="#1d3557", linestyle=":", linewidth=1, label="baseline latency (paired median)")
+        ax.axvline(
+            baseline_ms, color="#1d3557", linestyle=":", linewidth=1, label="baseline latency (paired median)"
+        )
     ax.set_xlabel(f"objective latency ({metric}, ms)")
     ax.set_ylabel("out-of-tolerance requests, upper bound (%)")
     ax.set_title("gate: out-of-tolerance rate")
@@ -43,8 +46,13 @@ def _rate_panel(ax: Any, routes: Sequence[Mapping[str, Any]], gate: GateSection,
     ax.grid(alpha=0.3)
 
 
-def _scatter(routes: Sequence[Mapping[str, Any]], tolerance: ToleranceSpec, baseline_ms: float | None, metric: str,
-             gate: GateSection | None = None) -> str:
+def _scatter(
+    routes: Sequence[Mapping[str, Any]],
+    tolerance: ToleranceSpec,
+    baseline_ms: float | None,
+    metric: str,
+    gate: GateSection | None = None,
+) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,23 +66,43 @@ def _scatter(routes: Sequence[Mapping[str, Any]], tolerance: ToleranceSpec, base
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
     if gate is not None:
         _rate_panel(axes[0][0], routes, gate, baseline_ms, metric)
-    for ax, out in zip(axes[0][panels - len(outputs):], outputs, strict=True):
+    for ax, out in zip(axes[0][panels - len(outputs) :], outputs, strict=True):
         tol = tolerance.for_output(out)
         for status, color in COLORS.items():
             pts = [
                 (r["objective_ms"], r["accuracy"]["outputs"][out]["value"])
                 for r in routes
-                if r.get("status") == status and r.get("objective_ms") is not None and out in (r.get("accuracy") or {}).get("outputs", {})
+                if r.get("status") == status
+                and r.get("objective_ms") is not None
+                and out in (r.get("accuracy") or {}).get("outputs", {})
             ]
             if pts:
-                ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=color, label=status, s=36, edgecolors="black", linewidths=0.4)
+                ax.scatter(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    c=color,
+                    label=status,
+                    s=36,
+                    edgecolors="black",
+                    linewidths=0.4,
+                )
         if tol is not None:
             ax.axhline(tol.threshold, color="#d62828", linestyle="--", linewidth=1,
                        label=f"per request: {tol.describe()}")  # fmt: skip
         if baseline_ms is not None:
-            ax.axvline(baseline_ms, color="#1d3557", linestyle=":", linewidth=1, label="baseline latency (paired median)")
+            ax.axvline(
+                baseline_ms,
+                color="#1d3557",
+                linestyle=":",
+                linewidth=1,
+                label="baseline latency (paired median)",
+            )
         ax.set_xlabel(f"objective latency ({metric}, ms)")
-        stat = {"max": "worst sample", "mean": "mean", "quantile": "quantile"}.get(tol.statistic, "") if tol else ""
+        stat = (
+            {"max": "worst sample", "mean": "mean", "quantile": "quantile"}.get(tol.statistic, "")
+            if tol
+            else ""
+        )
         ax.set_ylabel(f"{tol.metric if tol else 'value'} of {out} ({stat})")
         ax.set_title(out)
         ax.legend(fontsize=7)
@@ -98,12 +126,19 @@ def _rate_cells(r: Mapping[str, Any]) -> str:
     rate = (r.get("accuracy") or {}).get("rate")
     if not rate:
         return "<td>—</td><td>—</td><td>—</td>"
-    return (f"<td>{rate['k']}/{rate['n']}</td><td>{100 * rate['rate']:.2f}%</td>"
-            f"<td>{100 * rate['upper']:.2f}%</td>")
+    return (
+        f"<td>{rate['k']}/{rate['n']}</td><td>{100 * rate['rate']:.2f}%</td>"
+        f"<td>{100 * rate['upper']:.2f}%</td>"
+    )
 
 
-def write_report(path: Path, summary: Mapping[str, Any], routes: Sequence[Mapping[str, Any]], tolerance: ToleranceSpec,
-                 gate: GateSection | None = None) -> Path:
+def write_report(
+    path: Path,
+    summary: Mapping[str, Any],
+    routes: Sequence[Mapping[str, Any]],
+    tolerance: ToleranceSpec,
+    gate: GateSection | None = None,
+) -> Path:
     baseline = summary.get("baseline") or {}
     # The baseline line: the median of the baseline runs paired with each route (timed in the same
     # minutes as the routes), falling back to the baseline timed alone at the start.
@@ -129,24 +164,28 @@ def write_report(path: Path, summary: Mapping[str, Any], routes: Sequence[Mappin
     )
     gate_text = ""
     if gate is not None:
-        gate_text = (f"; gate: the upper bound ({gate.confidence:g} confidence) of the share of gate requests "
-                     f"out of that tolerance &lt;= {100 * gate.oot_budget:g}%")
+        gate_text = (
+            f"; gate: the upper bound ({gate.confidence:g} confidence) of the share of gate requests "
+            f"out of that tolerance &lt;= {100 * gate.oot_budget:g}%"
+        )
         if gate.checks is not None:
-            gate_text += ", and over all of them " + html.escape("; ".join(t.describe() for t in gate.checks.tolerances))
+            gate_text += ", and over all of them " + html.escape(
+                "; ".join(t.describe() for t in gate.checks.tolerances)
+            )
     doc = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>tunegate tune: {html.escape(str(summary.get('model')))}</title>
+<html><head><meta charset="utf-8"><title>tunegate tune: {html.escape(str(summary.get("model")))}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px}}</style>
 </head><body>
-<h1>tunegate tune — {html.escape(str(summary.get('model')))}</h1>
-<p>spec <code>{html.escape(str(summary.get('spec')))}</code> (digest {html.escape(str(summary.get('spec_digest', ''))[:12])}),
-strategy <b>{html.escape(str(summary.get('strategy')))}</b>, objective {html.escape(str(summary.get('objective')))},
-baseline version {_fmt(baseline.get('version'))} at {_fmt(baseline.get('objective_ms'))} ms,
-per-request tolerance: {html.escape('; '.join(t.describe() for t in tolerance.tolerances))}{gate_text}</p>
+<h1>tunegate tune — {html.escape(str(summary.get("model")))}</h1>
+<p>spec <code>{html.escape(str(summary.get("spec")))}</code> (digest {html.escape(str(summary.get("spec_digest", ""))[:12])}),
+strategy <b>{html.escape(str(summary.get("strategy")))}</b>, objective {html.escape(str(summary.get("objective")))},
+baseline version {_fmt(baseline.get("version"))} at {_fmt(baseline.get("objective_ms"))} ms,
+per-request tolerance: {html.escape("; ".join(t.describe() for t in tolerance.tolerances))}{gate_text}</p>
 {verdict}
-{'<img alt="latency vs accuracy" src="data:image/png;base64,' + png + '">' if png else ''}
+{'<img alt="latency vs accuracy" src="data:image/png;base64,' + png + '">' if png else ""}
 <table><tr><th>route</th><th>stage</th><th>status</th><th>objective ms</th><th>speedup</th><th>build s</th>
 <th>out of tolerance</th><th>rate</th><th>upper bound</th><th>accuracy / error</th></tr>
-{''.join(rows)}
+{"".join(rows)}
 </table></body></html>
 """
     atomic_write_text(path, doc)

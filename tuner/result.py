@@ -8,8 +8,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tunegate.errors import ServiceError
 
-class TuneError(RuntimeError):
+
+class TuneError(ServiceError):
     """The search cannot run (backend missing, no baseline, bad repository); nothing was written."""
 
 
@@ -71,7 +73,10 @@ class TuneResult:
             "baseline": self.baseline,
             "e2e": self.e2e,
             "routes": [dataclasses.asdict(r) for r in self.routes],
-            "counts": {s: sum(r.status == s for r in self.routes) for s in ("passed", "rejected", "failed", "skipped")},
+            "counts": {
+                s: sum(r.status == s for r in self.routes)
+                for s in ("passed", "rejected", "failed", "skipped")
+            },
         }
 
 

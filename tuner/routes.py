@@ -16,10 +16,12 @@ import itertools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
+from tunegate.errors import InputError
+
 _TOKEN = re.compile(r"^-(?P<knob>[A-Za-z][A-Za-z0-9_.]*)=(?P<value>\[[^\]]*\]|[^\s\[\]|]+)$")
 
 
-class RouteError(ValueError):
+class RouteError(InputError):
     """A route expression or route string that does not fit the builder's knobs."""
 
 
@@ -91,7 +93,9 @@ def parse_space(knobs: Sequence[Knob], expression: str) -> dict[str, tuple[str, 
             raise RouteError(f"-{name}={raw}: a value is listed twice")
         for v in values:
             if v not in by_name[name].values:
-                raise RouteError(f"-{name}={v}: not an allowed value (allowed: {'|'.join(by_name[name].values)})")
+                raise RouteError(
+                    f"-{name}={v}: not an allowed value (allowed: {'|'.join(by_name[name].values)})"
+                )
         chosen[name] = values
     return {k.name: chosen.get(k.name, (k.default,)) for k in knobs}
 
@@ -110,7 +114,9 @@ def _dedupe(routes: Iterable[Route]) -> list[Route]:
 
 def full_routes(knobs: Sequence[Knob], space: Mapping[str, tuple[str, ...]]) -> list[Route]:
     names = [k.name for k in knobs]
-    return _dedupe(tuple(zip(names, combo, strict=True)) for combo in itertools.product(*(space[n] for n in names)))
+    return _dedupe(
+        tuple(zip(names, combo, strict=True)) for combo in itertools.product(*(space[n] for n in names))
+    )
 
 
 def fast_routes(knobs: Sequence[Knob], space: Mapping[str, tuple[str, ...]]) -> list[Route]:
@@ -124,7 +130,9 @@ def fast_routes(knobs: Sequence[Knob], space: Mapping[str, tuple[str, ...]]) -> 
     return _dedupe(out)
 
 
-def mixed_routes(knobs: Sequence[Knob], space: Mapping[str, tuple[str, ...]], helped: Iterable[Route]) -> list[Route]:
+def mixed_routes(
+    knobs: Sequence[Knob], space: Mapping[str, tuple[str, ...]], helped: Iterable[Route]
+) -> list[Route]:
     """After `fast`: the product of the knob values whose one-knob change helped (base values always kept)."""
     base = base_route(knobs, space)
     keep: dict[str, list[str]] = {name: [value] for name, value in base}
@@ -135,7 +143,9 @@ def mixed_routes(knobs: Sequence[Knob], space: Mapping[str, tuple[str, ...]], he
     return full_routes(knobs, {k: tuple(v) for k, v in keep.items()})
 
 
-def count_strategy(strategy: str, knobs: Sequence[Knob], space: Mapping[str, tuple[str, ...]]) -> dict[str, int]:
+def count_strategy(
+    strategy: str, knobs: Sequence[Knob], space: Mapping[str, tuple[str, ...]]
+) -> dict[str, int]:
     """How many routes a strategy builds up front (mixed: its fast phase; halving: all, then a fraction)."""
     return {
         "fast": len(fast_routes(knobs, space)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import json
 import logging
 import math
@@ -20,7 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tunegate.repository import clean_staging, parse_version_policy, versions
+from tunegate.procs import TUNE_KILL_AT_ENV, kill_point
+from tunegate.repository import clean_staging, parse_version_policy, sha256_file, versions
 from tuner import gate
 from tuner.bench import bench_paired, bench_runner, objective, speedup
 from tuner.builders import Artifact, BuildContext, Builder, BuildError, get_builder
@@ -57,19 +59,26 @@ def find_baseline(spec: TuneSpec) -> tuple[int, Path]:
     v = max(present)
     runtime_path = model_dir / str(v) / "runtime.json"
     if not runtime_path.is_file():
-        raise TuneError(f"{model_dir / str(v)}: no runtime.json; the tuner measures python-onnx baselines in process")
+        raise TuneError(
+            f"{model_dir / str(v)}: no runtime.json; the tuner measures python-onnx baselines in process"
+        )
     try:
         artifact = model_dir / str(v) / json.loads(runtime_path.read_text()).get("artifact", "model.onnx")
     except (ValueError, AttributeError) as exc:
         raise TuneError(f"{runtime_path} is not a JSON object: {exc}") from exc
     if not artifact.is_file():
-        fix = ("run `tunegate model prepare` first: it exports the demo model and installs it as version 1"
-               if spec.model.name == "minilm" else "put the baseline's model file there")
+        fix = (
+            "run `tunegate model prepare` first: it exports the demo model and installs it as version 1"
+            if spec.model.name == "minilm"
+            else "put the baseline's model file there"
+        )
         raise TuneError(f"{artifact} does not exist (the baseline version {v} has no model file yet); {fix}")
     return v, model_dir / str(v)
 
 
-def written_before(spec: TuneSpec, route: str, baseline_version: int) -> tuple[int, Path, dict[str, Any]] | None:
+def written_before(
+    spec: TuneSpec, route: str, baseline_version: int
+) -> tuple[int, Path, dict[str, Any]] | None:
     """A version above the baseline whose release.json is this search's winner (same spec digest, route and
     baseline): what a run killed just after writing it left; None when there is none."""
     model_dir = spec.model.repository / spec.model.name
@@ -86,13 +95,46 @@ def written_before(spec: TuneSpec, route: str, baseline_version: int) -> tuple[i
     return None
 
 
+def _tree_digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode() + b"\0" + sha256_file(p).encode() + b"\0")
+    return h.hexdigest()
+
+
+def run_digests(spec: TuneSpec, baseline_dir: Path, versions_info: dict[str, Any]) -> dict[str, str]:
+    """A digest of each thing a search's results depend on (tuner.cache.DIGEST_NAMES): `--continue` resumes only
+    when all are the same."""
+    source = Path(spec.model.source)
+    capture = spec.inputs.capture if spec.inputs.source == "capture" else None
+    if capture is None:
+        inputs = "declared in the spec"
+    elif Path(capture).is_dir():
+        inputs = _tree_digest(list(Path(capture).glob("capture-*.jsonl")))
+    else:
+        inputs = sha256_file(Path(capture))
+    return {
+        "spec": spec.digest,
+        "source": sha256_file(source)
+        if source.is_file()
+        else _tree_digest([p for p in source.rglob("*") if p.is_file()]),
+        "baseline": _tree_digest([p for p in baseline_dir.iterdir() if p.is_file()]),
+        "inputs": inputs,
+        "tools": hashlib.sha256(json.dumps(versions_info, sort_keys=True, default=str).encode()).hexdigest(),
+    }
+
+
 def plan(spec: TuneSpec, strategy: str | None = None) -> dict[str, Any]:
     """What a search would run (no builds): knobs, the space and the routes of the first phase."""
     strategy = strategy or spec.search.strategy
     builder = get_builder(spec.search.backend)
     ok, why = builder.available()
     space = parse_space(builder.knobs, spec.search.routes)
-    first = fast_routes(builder.knobs, space) if strategy in ("fast", "mixed") else full_routes(builder.knobs, space)
+    first = (
+        fast_routes(builder.knobs, space)
+        if strategy in ("fast", "mixed")
+        else full_routes(builder.knobs, space)
+    )
     return {
         "backend": builder.name,
         "available": ok,
@@ -114,9 +156,17 @@ def plan(spec: TuneSpec, strategy: str | None = None) -> dict[str, Any]:
 class _Search:
     """One run of tune(): holds the inputs, reference outputs, cache and deadline."""
 
-    def __init__(self, spec: TuneSpec, builder: Builder, cache: SearchCache, inputs: InputSet,
-                 reference: gate.Outputs, baseline_runner: Runner, deadline: float,
-                 reporter: Reporter) -> None:
+    def __init__(
+        self,
+        spec: TuneSpec,
+        builder: Builder,
+        cache: SearchCache,
+        inputs: InputSet,
+        reference: gate.Outputs,
+        baseline_runner: Runner,
+        deadline: float,
+        reporter: Reporter,
+    ) -> None:
         self.spec, self.builder, self.cache, self.inputs = spec, builder, cache, inputs
         self.reference, self.baseline_runner, self.deadline = reference, baseline_runner, deadline
         self.reporter = reporter
@@ -131,7 +181,14 @@ class _Search:
             raise _BudgetSpent
         timeout = min(self.spec.search.build_timeout_s, remaining)
         try:
-            return run_build(self.spec.search.backend, self.spec.model.source, dict(route), dest, self.ctx, timeout_s=timeout)
+            return run_build(
+                self.spec.search.backend,
+                self.spec.model.source,
+                dict(route),
+                dest,
+                self.ctx,
+                timeout_s=timeout,
+            )
         except BuildTimeout:
             if timeout < self.spec.search.build_timeout_s:
                 raise _BudgetSpent from None  # the budget ran out mid-build: not a verdict on the route
@@ -163,19 +220,44 @@ class _Search:
             runner = self.builder.load(artifact)
             outputs = gate.run_all(runner, self.inputs)
         except Exception as exc:  # noqa: BLE001 - a route whose artifact will not run fails alone
-            return self._done(RouteResult(key, knobs, stage, "failed", error=f"run failed: {exc}", build_seconds=build_s))
-        evidence = gate.gate_evidence(self.reference, outputs, self.spec.tolerance, self.spec.gate, self.inputs)
+            return self._done(
+                RouteResult(key, knobs, stage, "failed", error=f"run failed: {exc}", build_seconds=build_s)
+            )
+        evidence = gate.gate_evidence(
+            self.reference, outputs, self.spec.tolerance, self.spec.gate, self.inputs
+        )
         b = self.spec.bench
-        latency, base_latency = bench_paired(runner, self.baseline_runner, self.inputs.bench, warmup=b.warmup,
-                                             repeats=repeats, bootstrap=b.bootstrap)
+        latency, base_latency = bench_paired(
+            runner,
+            self.baseline_runner,
+            self.inputs.bench,
+            warmup=b.warmup,
+            repeats=repeats,
+            bootstrap=b.bootstrap,
+        )
         obj = objective(latency, self.inputs.bench, self.spec.objective)
         base_obj = objective(base_latency, self.inputs.bench, self.spec.objective)
         status = "passed" if evidence["passed"] else "rejected"
-        return self._done(RouteResult(key, knobs, stage, status, None, build_s, obj, base_obj, speedup(base_obj, obj),
-                                      latency, evidence, str(dest)))
+        return self._done(
+            RouteResult(
+                key,
+                knobs,
+                stage,
+                status,
+                None,
+                build_s,
+                obj,
+                base_obj,
+                speedup(base_obj, obj),
+                latency,
+                evidence,
+                str(dest),
+            )
+        )
 
     def _done(self, result: RouteResult) -> RouteResult:
         self.cache.append(result.record())
+        kill_point(TUNE_KILL_AT_ENV, "search")
         return result
 
     def run_all(self, routes: list[Route], stage: str, repeats: int) -> list[RouteResult]:
@@ -214,7 +296,8 @@ def _strategy(search: _Search, strategy: str) -> list[RouteResult]:
         if strategy == "fast" or search.stopped or not first:
             return first
         helped = [
-            tuple(r.knobs.items()) for r in first[1:]
+            tuple(r.knobs.items())
+            for r in first[1:]
             if r.status == "passed" and r.speedup is not None and r.speedup >= spec.objective.min_speedup
         ]
         done = {r.route for r in first}
@@ -258,7 +341,9 @@ def tune(
         for stale in [*(spec.workdir / "builds").glob(".tmp-*"), *spec.workdir.glob("e2e-*")]:
             shutil.rmtree(stale, ignore_errors=True)
         clean_staging(spec.model.repository / spec.model.name)
-        return _tune(spec, builder, strategy, budget, resume, progress, write, baseline_version, baseline_dir, t_start)
+        return _tune(
+            spec, builder, strategy, budget, resume, progress, write, baseline_version, baseline_dir, t_start
+        )
 
 
 @contextlib.contextmanager
@@ -275,23 +360,47 @@ def _exclusive(workdir: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _tune(spec: TuneSpec, builder: Builder, strategy: str, budget: float, resume: bool, progress: bool,
-          write: bool, baseline_version: int, baseline_dir: Path, t_start: float) -> TuneResult:
+def _tune(
+    spec: TuneSpec,
+    builder: Builder,
+    strategy: str,
+    budget: float,
+    resume: bool,
+    progress: bool,
+    write: bool,
+    baseline_version: int,
+    baseline_dir: Path,
+    t_start: float,
+) -> TuneResult:
     versions_info = tool_versions(builder)
-    header = {"spec_digest": spec.digest, "spec_path": str(spec.path), "model": spec.model.name,
-              "backend": builder.name, "strategy": strategy, "budget_s": budget, "routes": spec.search.routes,
-              "versions": versions_info}
+    header = {
+        "spec_digest": spec.digest,
+        "spec_path": str(spec.path),
+        "model": spec.model.name,
+        "backend": builder.name,
+        "strategy": strategy,
+        "budget_s": budget,
+        "routes": spec.search.routes,
+        "versions": versions_info,
+        "digests": run_digests(spec, baseline_dir, versions_info),
+    }
     cache = SearchCache.open(spec.workdir / "cache.jsonl", header, resume=resume)
 
     with Reporter(progress) as rep:
         g = spec.gate
-        rep.note(f"preparing inputs and the reference (gate: {g.samples} samples, out-of-tolerance budget "
-                 f"{100 * g.oot_budget:g}% at {g.confidence:g} confidence)")
+        rep.note(
+            f"preparing inputs and the reference (gate: {g.samples} samples, out-of-tolerance budget "
+            f"{100 * g.oot_budget:g}% at {g.confidence:g} confidence)"
+        )
         inputs = make_inputs(spec.inputs, spec.model.source, spec.model.name, g.samples, g.needed)
         save_batches(spec.workdir / "calibration.npz", [dict(b.feeds) for b in inputs.gate])
-        ref_runtime = {"session": {"graph_optimization_level": spec.reference.graph_optimization_level,
-                                   "intra_op_num_threads": spec.reference.intra_op_num_threads},
-                       "config_entries": {"session.intra_op.allow_spinning": "0"}}
+        ref_runtime = {
+            "session": {
+                "graph_optimization_level": spec.reference.graph_optimization_level,
+                "intra_op_num_threads": spec.reference.intra_op_num_threads,
+            },
+            "config_entries": {"session.intra_op.allow_spinning": "0"},
+        }
         reference = gate.run_all(ort_runner(spec.model.source, ref_runtime), inputs)
 
         base_runtime = json.loads((baseline_dir / "runtime.json").read_text())
@@ -301,10 +410,16 @@ def _tune(spec: TuneSpec, builder: Builder, strategy: str, budget: float, resume
         if base_rec is None:
             rep.note(f"benchmarking the baseline (version {baseline_version})")
             b = spec.bench
-            lat = bench_runner(base_runner, inputs.bench, warmup=b.warmup, repeats=b.repeats, bootstrap=b.bootstrap)
-            base_rec = {"kind": "baseline", "version": baseline_version, "latency": lat,
-                        "objective_ms": objective(lat, inputs.bench, spec.objective),
-                        "accuracy": gate.gate_evidence(reference, base_outputs, spec.tolerance, spec.gate, inputs)}
+            lat = bench_runner(
+                base_runner, inputs.bench, warmup=b.warmup, repeats=b.repeats, bootstrap=b.bootstrap
+            )
+            base_rec = {
+                "kind": "baseline",
+                "version": baseline_version,
+                "latency": lat,
+                "objective_ms": objective(lat, inputs.bench, spec.objective),
+                "accuracy": gate.gate_evidence(reference, base_outputs, spec.tolerance, spec.gate, inputs),
+            }
             cache.append(base_rec)
         baseline = {k: base_rec[k] for k in ("version", "objective_ms", "latency", "accuracy")}
 
@@ -323,49 +438,87 @@ def _tune(spec: TuneSpec, builder: Builder, strategy: str, budget: float, resume
         winner = finalists[0] if finalists else None
         reason = _reason(results, winner, search.stopped, spec)
         if winner is None and fast_enough:
-            reason = ("the routes that pass and beat the baseline build exactly the baseline (same artifact and runtime)"
-                      + (" (the time budget stopped the search)" if search.stopped else ""))
+            reason = (
+                "the routes that pass and beat the baseline build exactly the baseline (same artifact and runtime)"
+                + (" (the time budget stopped the search)" if search.stopped else "")
+            )
         version = version_path = release = None
         if winner is not None and write:
             earlier = written_before(spec, winner.route, baseline_version)
             if earlier is not None:  # a run killed after writing it: --continue does not write it twice
                 version, version_path, release = earlier
-                rep.note(f"version {version} already holds this search's winner ({version_path}); not written again")
+                rep.note(
+                    f"version {version} already holds this search's winner ({version_path}); not written again"
+                )
             else:
                 rep.note(f"rebuilding the winner once and writing it: {winner.route}")
                 version, version_path, release = write_winner(
                     spec, builder, winner, baseline, e2e, inputs, versions_info,
                     {k: header[k] for k in ("backend", "strategy", "budget_s", "routes")})  # fmt: skip
-            cache.append({"kind": "written", "route": winner.route, "version": version, "path": str(version_path)})
+                kill_point(TUNE_KILL_AT_ENV, "written")
+            cache.append(
+                {"kind": "written", "route": winner.route, "version": version, "path": str(version_path)}
+            )
     report = write_report(
         spec.workdir / "report.html",
-        {"model": spec.model.name, "spec": str(spec.path), "spec_digest": spec.digest, "strategy": strategy,
-         "objective": spec.objective.metric, "baseline": baseline, "winner": winner.route if winner else None,
-         "version": version, "reason": reason},
+        {
+            "model": spec.model.name,
+            "spec": str(spec.path),
+            "spec_digest": spec.digest,
+            "strategy": strategy,
+            "objective": spec.objective.metric,
+            "baseline": baseline,
+            "winner": winner.route if winner else None,
+            "version": version,
+            "reason": reason,
+        },
         [dataclasses.asdict(r) for r in results],
         spec.tolerance,
         spec.gate,
     )
-    return TuneResult(spec.model.name, strategy, winner, version, version_path, report, cache.path, results,
-                      baseline, e2e, reason, search.stopped, release)
+    return TuneResult(
+        spec.model.name,
+        strategy,
+        winner,
+        version,
+        version_path,
+        report,
+        cache.path,
+        results,
+        baseline,
+        e2e,
+        reason,
+        search.stopped,
+        release,
+    )
 
 
 def _reason(results: list[RouteResult], winner: RouteResult | None, stopped: bool, spec: TuneSpec) -> str:
     budget = " (the time budget stopped the search)" if stopped else ""
     if winner is not None:
         rate = (winner.accuracy or {}).get("rate") or {}
-        within = (f"{rate['k']}/{rate['n']} requests out of tolerance, upper bound {100 * rate['upper']:.2f}% <= "
-                  f"budget {100 * rate['budget']:g}%") if rate else "within tolerance"
+        within = (
+            (
+                f"{rate['k']}/{rate['n']} requests out of tolerance, upper bound {100 * rate['upper']:.2f}% <= "
+                f"budget {100 * rate['budget']:g}%"
+            )
+            if rate
+            else "within tolerance"
+        )
         return f"{winner.route} is {winner.speedup:.2f}x the baseline, {within}{budget}"
     passed = [r for r in results if r.status == "passed"]
     if not results:
         return f"no route finished{budget}"
     if not passed:
-        return (f"no route passed the accuracy gate ({len(results)} tried; out-of-tolerance budget "
-                f"{100 * spec.gate.oot_budget:g}% at {spec.gate.confidence:g} confidence){budget}")
+        return (
+            f"no route passed the accuracy gate ({len(results)} tried; out-of-tolerance budget "
+            f"{100 * spec.gate.oot_budget:g}% at {spec.gate.confidence:g} confidence){budget}"
+        )
     best = max(r.speedup or 0.0 for r in passed)
-    return (f"no route beats the baseline within tolerance: best passing route is {best:.2f}x, "
-            f"needs >= {spec.objective.min_speedup:g}x{budget}")
+    return (
+        f"no route beats the baseline within tolerance: best passing route is {best:.2f}x, "
+        f"needs >= {spec.objective.min_speedup:g}x{budget}"
+    )
 
 
 __all__ = ["RouteResult", "TuneError", "TuneResult", "find_baseline", "plan", "route_id", "tune"]

@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tunegate import models, validate
+from tunegate.errors import InputError
+from tunegate.stats import samples_to_show_below
 from tunegate.tolerance import ToleranceError, ToleranceSpec
 
 STRATEGIES = ("fast", "full", "mixed", "halving")
@@ -24,7 +27,7 @@ INPUT_SOURCES = ("declared", "capture")
 DEMO_SOURCES = ("demo:minilm", "demo:tiny")  # the demo models' ONNX in the tunegate cache
 
 
-class SpecError(ValueError):
+class SpecError(InputError):
     """A tuning spec that cannot be used; the message names the file and the key."""
 
 
@@ -84,7 +87,6 @@ class GateSection:
 
 
 def samples_needed(budget: float, confidence: float) -> int:
-    from tunegate.stats import samples_to_show_below
 
     return samples_to_show_below(budget, confidence)
 
@@ -166,7 +168,11 @@ def _section(cls: type, table: Mapping[str, Any], where: str, **converted: Any) 
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise SpecError(f"{where}.{name}: expected a number, got {value!r}")
             value = float(value)
-        elif isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, int)):
+        elif (
+            isinstance(default, int)
+            and not isinstance(default, bool)
+            and (isinstance(value, bool) or not isinstance(value, int))
+        ):
             raise SpecError(f"{where}.{name}: expected an integer, got {value!r}")
         if isinstance(default, str) and not isinstance(value, str):
             raise SpecError(f"{where}.{name}: expected a string, got {value!r}")
@@ -179,8 +185,7 @@ def _section(cls: type, table: Mapping[str, Any], where: str, **converted: Any) 
 
 
 def _positive(where: str, value: float, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise SpecError(f"{where} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    validate.positive(where, value, SpecError, allow_zero=allow_zero)
 
 
 def _choice(where: str, value: str, choices: tuple[str, ...]) -> None:
@@ -219,8 +224,6 @@ def _shapes(raw: Any, where: str) -> tuple[Shape, ...]:
 
 def _resolve_source(base: Path, value: Any) -> Path:
     if value in DEMO_SOURCES:
-        from tunegate import models
-
         try:
             if value == "demo:tiny":
                 path = models.cache_dir() / "tiny" / "model.onnx"
@@ -240,7 +243,9 @@ def _gate(table: Mapping[str, Any], where: str) -> GateSection:
     checks = None
     if raw_checks is not None:
         if not isinstance(raw_checks, Mapping):
-            raise SpecError(f"{where}: [gate.checks] must be a table of output name -> {{metric, threshold, ...}}")
+            raise SpecError(
+                f"{where}: [gate.checks] must be a table of output name -> {{metric, threshold, ...}}"
+            )
         try:
             checks = ToleranceSpec.from_dict(raw_checks)
         except ToleranceError as exc:
@@ -257,7 +262,8 @@ def _gate(table: Mapping[str, Any], where: str) -> GateSection:
         raise SpecError(
             f"{where}: [gate].samples = {gate.samples} cannot pass: with no request out of tolerance, the "
             f"upper bound of the rate at {gate.confidence:g} confidence reaches oot_budget = {gate.oot_budget:g} "
-            f"only from {needed} samples; set samples >= {needed} (more leave room for a few failures)")
+            f"only from {needed} samples; set samples >= {needed} (more leave room for a few failures)"
+        )
     return dataclasses.replace(gate, checks=checks)
 
 
@@ -272,24 +278,34 @@ def parse_spec(raw: Mapping[str, Any], path: Path) -> TuneSpec:
 
     m = _table(raw, "model", where, required=True)
     if sorted(set(m) - {"name", "source", "repository"}):
-        raise SpecError(f"{where}: [model] has unknown keys {sorted(set(m) - {'name', 'source', 'repository'})}")
+        raise SpecError(
+            f"{where}: [model] has unknown keys {sorted(set(m) - {'name', 'source', 'repository'})}"
+        )
     for key in ("name", "source", "repository"):
         if key not in m:
             raise SpecError(f"{where}: [model].{key} is required")
     if not isinstance(m["name"], str) or not m["name"] or "/" in m["name"]:
         raise SpecError(f"{where}: [model].name must be a non-empty name without '/'")
-    model = ModelSection(m["name"], _resolve_source(base, m["source"]), _path(base, m["repository"], "[model].repository"))
+    model = ModelSection(
+        m["name"], _resolve_source(base, m["source"]), _path(base, m["repository"], "[model].repository")
+    )
 
     reference = _section(ReferenceSection, _table(raw, "reference", where), f"{where}: [reference]")
     _choice("[reference].implementation", reference.implementation, ("onnxruntime",))
     _choice("[reference].precision", reference.precision, ("fp32",))
-    _choice("[reference].graph_optimization_level", reference.graph_optimization_level, ("disable", "basic", "extended", "all"))
+    _choice(
+        "[reference].graph_optimization_level",
+        reference.graph_optimization_level,
+        ("disable", "basic", "extended", "all"),
+    )
     _positive("[reference].intra_op_num_threads", reference.intra_op_num_threads)
 
     it = _table(raw, "inputs", where)
     if "batches" in it:
-        raise SpecError(f"{where}: [inputs].batches is now [gate].samples: each gate request is one sample of the "
-                        "out-of-tolerance rate the gate bounds, as each live request is for the canary")
+        raise SpecError(
+            f"{where}: [inputs].batches is now [gate].samples: each gate request is one sample of the "
+            "out-of-tolerance rate the gate bounds, as each live request is for the canary"
+        )
     shapes = _shapes(it["shapes"], "[inputs].shapes") if "shapes" in it else None
     capture = _path(base, it["capture"], "[inputs].capture") if "capture" in it else None
     inputs = _section(InputsSection, it, f"{where}: [inputs]", shapes=shapes, capture=capture)
@@ -315,7 +331,9 @@ def parse_spec(raw: Mapping[str, Any], path: Path) -> TuneSpec:
     declared_batches = {s.batch for s in inputs.shapes}
     missing = sorted(set(objective.batch_sizes) - declared_batches) if inputs.source == "declared" else []
     if missing:
-        raise SpecError(f"{where}: [objective].batch_sizes {missing} are not batch sizes of [[inputs.shapes]]")
+        raise SpecError(
+            f"{where}: [objective].batch_sizes {missing} are not batch sizes of [[inputs.shapes]]"
+        )
 
     bench = _section(BenchSection, _table(raw, "bench", where), f"{where}: [bench]")
     for key in ("repeats", "cheap_repeats", "bootstrap", "e2e_concurrency", "e2e_requests"):
@@ -344,7 +362,9 @@ def parse_spec(raw: Mapping[str, Any], path: Path) -> TuneSpec:
         else model.repository.parent / ".tunegate" / "tune" / path.stem
     )
     digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()
-    return TuneSpec(path, model, reference, inputs, tolerance, gate, objective, bench, search, workdir, raw, digest)
+    return TuneSpec(
+        path, model, reference, inputs, tolerance, gate, objective, bench, search, workdir, raw, digest
+    )
 
 
 def load_spec(path: str | Path) -> TuneSpec:

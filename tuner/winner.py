@@ -15,6 +15,7 @@ from tunegate.repository import sha256_file
 from tuner import gate
 from tuner.builders import Artifact, BuildContext, Builder, BuildError
 from tuner.builders.worker import run_build
+from tuner.e2e import run_e2e
 from tuner.inputs import InputSet
 from tuner.release import build_release, write_release
 from tuner.result import RouteResult, TuneError, route_id
@@ -42,9 +43,14 @@ def load_artifact(route: RouteResult) -> Artifact:
     return Artifact.load(Path(route.artifact))
 
 
-def serve_finalists(spec: TuneSpec, builder: Builder, baseline_dir: Path, finalists: list[RouteResult],
-         base_outputs: gate.Outputs, inputs: InputSet) -> dict[str, Any]:
-    from tuner.e2e import run_e2e
+def serve_finalists(
+    spec: TuneSpec,
+    builder: Builder,
+    baseline_dir: Path,
+    finalists: list[RouteResult],
+    base_outputs: gate.Outputs,
+    inputs: InputSet,
+) -> dict[str, Any]:
 
     in_process = {"baseline": base_outputs}
     files = []
@@ -52,10 +58,18 @@ def serve_finalists(spec: TuneSpec, builder: Builder, baseline_dir: Path, finali
         art = load_artifact(f)
         in_process[f.route] = gate.run_all(builder.load(art), inputs)
         files.append((f.route, builder.version_files(art)))
-    results = run_e2e(model=spec.model.name, repository=spec.model.repository, baseline_dir=baseline_dir,
-                      finalists=files, in_process=in_process, inputs=inputs, workdir=spec.workdir,
-                      concurrency=spec.bench.e2e_concurrency, requests=spec.bench.e2e_requests,
-                      bootstrap=spec.bench.bootstrap)
+    results = run_e2e(
+        model=spec.model.name,
+        repository=spec.model.repository,
+        baseline_dir=baseline_dir,
+        finalists=files,
+        in_process=in_process,
+        inputs=inputs,
+        workdir=spec.workdir,
+        concurrency=spec.bench.e2e_concurrency,
+        requests=spec.bench.e2e_requests,
+        bootstrap=spec.bench.bootstrap,
+    )
     base_p50 = results["baseline"]["latency"]["p50_ms"]
     for route, r in results.items():
         served = r.pop("served")
@@ -64,16 +78,28 @@ def serve_finalists(spec: TuneSpec, builder: Builder, baseline_dir: Path, finali
     return results
 
 
-def write_winner(spec: TuneSpec, builder: Builder, winner: RouteResult, baseline: dict[str, Any],
-                  e2e: dict[str, Any], inputs: InputSet, versions_info: dict[str, Any],
-                  search: Mapping[str, Any]) -> tuple[int, Path, dict[str, Any]]:
+def write_winner(
+    spec: TuneSpec,
+    builder: Builder,
+    winner: RouteResult,
+    baseline: dict[str, Any],
+    e2e: dict[str, Any],
+    inputs: InputSet,
+    versions_info: dict[str, Any],
+    search: Mapping[str, Any],
+) -> tuple[int, Path, dict[str, Any]]:
     artifact = load_artifact(winner)
     outputs = gate.run_all(builder.load(artifact), inputs)
     rebuild_dir = spec.workdir / "rebuild" / route_id(winner.route)
     try:
-        again, _ = run_build(spec.search.backend, spec.model.source, winner.knobs, rebuild_dir,
-                             BuildContext(spec.search.options, spec.workdir / "calibration.npz"),
-                             timeout_s=spec.search.build_timeout_s)
+        again, _ = run_build(
+            spec.search.backend,
+            spec.model.source,
+            winner.knobs,
+            rebuild_dir,
+            BuildContext(spec.search.options, spec.workdir / "calibration.npz"),
+            timeout_s=spec.search.build_timeout_s,
+        )
         identical: bool | None = gate.identical(outputs, gate.run_all(builder.load(again), inputs))
     except BuildError as exc:
         LOG.warning("rebuilding the winner failed: %s", exc)
@@ -91,17 +117,33 @@ def write_winner(spec: TuneSpec, builder: Builder, winner: RouteResult, baseline
         "speedup": winner.speedup,
     }
     if winner.route in e2e:
-        latency["triton"] = {"candidate": e2e[winner.route], "baseline": e2e.get("baseline"),
-                             "speedup_p50": e2e[winner.route].get("speedup_p50")}
+        latency["triton"] = {
+            "candidate": e2e[winner.route],
+            "baseline": e2e.get("baseline"),
+            "speedup_p50": e2e[winner.route].get("speedup_p50"),
+        }
     accuracy = dict((winner.accuracy or {}).get("outputs", {}))
     release = build_release(
-        spec=spec, route=winner.route, knobs=winner.knobs, artifact=artifact, accuracy=accuracy, latency=latency,
-        baseline_version=int(baseline["version"]), rebuild_identical=bool(identical) if identical is not None else False,
-        versions=versions_info, build_seconds=float(winner.build_seconds or 0.0), inputs_digest=inputs.digest,
+        spec=spec,
+        route=winner.route,
+        knobs=winner.knobs,
+        artifact=artifact,
+        accuracy=accuracy,
+        latency=latency,
+        baseline_version=int(baseline["version"]),
+        rebuild_identical=bool(identical) if identical is not None else False,
+        versions=versions_info,
+        build_seconds=float(winner.build_seconds or 0.0),
+        inputs_digest=inputs.digest,
         gate=winner.accuracy,
     )
-    release["search"] = dict(search)  # as run: strategy, budget, and the route expression (--routes may override)
-    release["inputs"] = {"gate_batches": [b.label for b in inputs.gate], "bench_shapes": [s.key for s in inputs.bench]}
+    release["search"] = dict(
+        search
+    )  # as run: strategy, budget, and the route expression (--routes may override)
+    release["inputs"] = {
+        "gate_batches": [b.label for b in inputs.gate],
+        "bench_shapes": [s.key for s in inputs.bench],
+    }
     if identical is None:
         release["rebuild_error"] = "the rebuild failed; see the log"
     version, path = write_release(spec, builder, artifact, release)

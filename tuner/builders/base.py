@@ -17,13 +17,16 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
+from tunegate.errors import ServiceError
+from tunegate.records import atomic_write_bytes
 from tuner.routes import Knob
 
 ARTIFACT_JSON = "artifact.json"
 
 
-class BuildError(RuntimeError):
+class BuildError(ServiceError):
     """A route that could not be built; the message is what the cache and the report record."""
 
 
@@ -43,7 +46,9 @@ class Artifact:
 
     def save(self) -> None:
         doc = {"format": self.format, "primary": self.primary, "runtime": self.runtime, "meta": self.meta}
-        (self.directory / ARTIFACT_JSON).write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
+        (self.directory / ARTIFACT_JSON).write_text(
+            json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n"
+        )
 
     @classmethod
     def load(cls, directory: Path) -> Artifact:
@@ -64,21 +69,19 @@ class BuildContext:
     options: Mapping[str, Any]  # [search.options] of the spec
     calibration: Path | None = None  # npz of input batches (static quantisation)
 
-    def calibration_batches(self) -> list[dict[str, np.ndarray]]:
+    def calibration_batches(self) -> list[dict[str, npt.NDArray[Any]]]:
         if self.calibration is None:
             raise BuildError("this route needs calibration inputs and none were given")
         return load_batches(self.calibration)
 
 
 class Runner(Protocol):
-    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+    def __call__(self, feeds: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]: ...
 
 
-def save_batches(path: Path, batches: list[dict[str, np.ndarray]]) -> None:
+def save_batches(path: Path, batches: list[dict[str, npt.NDArray[Any]]]) -> None:
     """Input batches as one npz (written atomically: a build may read it after a kill)."""
     import io
-
-    from tunegate.records import atomic_write_bytes
 
     arrays = {f"{i:05d}/{name}": arr for i, feeds in enumerate(batches) for name, arr in feeds.items()}
     buf = io.BytesIO()
@@ -86,8 +89,8 @@ def save_batches(path: Path, batches: list[dict[str, np.ndarray]]) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def load_batches(path: Path) -> list[dict[str, np.ndarray]]:
-    out: dict[int, dict[str, np.ndarray]] = {}
+def load_batches(path: Path) -> list[dict[str, npt.NDArray[Any]]]:
+    out: dict[int, dict[str, npt.NDArray[Any]]] = {}
     with np.load(path) as data:
         for key in data.files:
             idx, name = key.split("/", 1)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.builders.base import Artifact, BuildContext, Builder, BuildError, Runner
+from tuner.inputs import describe_inputs
 from tuner.routes import Knob
 
 PT2_MODEL_PY = Path(__file__).resolve().parents[2] / "tunegate" / "templates" / "pt2_model.py"
@@ -86,8 +87,6 @@ def onnx_interface(source: Path) -> tuple[list[Any], list[str]]:
     """The source ONNX's inputs (tuner.inputs.InputDesc) and output names."""
     import onnx
 
-    from tuner.inputs import describe_inputs
-
     try:
         outputs = [o.name for o in onnx.load(str(source), load_external_data=False).graph.output]
         return describe_inputs(source), outputs
@@ -114,13 +113,42 @@ def _cuda() -> bool:
 class InductorBuilder(Builder):
     name = "inductor"
     knobs = (
-        Knob("dtype", ("fp32", "tf32", "bf16", "fp16"), "fp32", "precision of weights and compute (I/O stays fp32)"),
-        Knob("mode", ("default", "max-autotune", "max-autotune-no-cudagraphs"), "default",
-             "torch.compile mode as Inductor options (GEMM autotuning, coordinate-descent tuning)"),
-        Knob("cudagraphs", ("auto", "on", "off"), "auto", "replay each input shape from a CUDA graph (auto: the mode says)"),
-        Knob("epilogue", ("on", "off"), "on", "Inductor epilogue_fusion (fuse pointwise ops into GEMM epilogues)"),
-        Knob("coord", ("auto", "on", "off"), "auto", "coordinate_descent_tuning of Triton kernel configs (auto: the mode says)"),
-        Knob("gemm", ("default", *GEMM_BACKENDS), "default", "max_autotune_gemm_backends (with max-autotune only)"),
+        Knob(
+            "dtype",
+            ("fp32", "tf32", "bf16", "fp16"),
+            "fp32",
+            "precision of weights and compute (I/O stays fp32)",
+        ),
+        Knob(
+            "mode",
+            ("default", "max-autotune", "max-autotune-no-cudagraphs"),
+            "default",
+            "torch.compile mode as Inductor options (GEMM autotuning, coordinate-descent tuning)",
+        ),
+        Knob(
+            "cudagraphs",
+            ("auto", "on", "off"),
+            "auto",
+            "replay each input shape from a CUDA graph (auto: the mode says)",
+        ),
+        Knob(
+            "epilogue",
+            ("on", "off"),
+            "on",
+            "Inductor epilogue_fusion (fuse pointwise ops into GEMM epilogues)",
+        ),
+        Knob(
+            "coord",
+            ("auto", "on", "off"),
+            "auto",
+            "coordinate_descent_tuning of Triton kernel configs (auto: the mode says)",
+        ),
+        Knob(
+            "gemm",
+            ("default", *GEMM_BACKENDS),
+            "default",
+            "max_autotune_gemm_backends (with max-autotune only)",
+        ),
         Knob("freezing", ("off", "on"), "off", "Inductor freezing: weights as constants, constant folding"),
     )
 
@@ -135,8 +163,14 @@ class InductorBuilder(Builder):
         if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:
             return False, "AOTInductor needs a C++ compiler (g++) and none is on PATH"
         if torch.cuda.is_available():
-            return True, f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}"
-        return True, f"torch {torch.__version__} on CPU only (no CUDA device): dtype fp32|bf16, mode default, no CUDA graphs"
+            return (
+                True,
+                f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}",
+            )
+        return (
+            True,
+            f"torch {torch.__version__} on CPU only (no CUDA device): dtype fp32|bf16, mode default, no CUDA graphs",
+        )
 
     def tool_versions(self) -> dict[str, str]:
         import torch
@@ -174,7 +208,9 @@ class InductorBuilder(Builder):
             raise BuildError(problem)
         ref = ctx.options.get("torch_model")
         if not ref:
-            raise BuildError("the inductor backend needs [search.options].torch_model = 'package.module:function'")
+            raise BuildError(
+                "the inductor backend needs [search.options].torch_model = 'package.module:function'"
+            )
         inputs, outputs = onnx_interface(source)
         # By default a private compile cache: the build cost is a cold build's and routes share no
         # kernels. `inductor_cache = "shared"` keeps Inductor's own cache (faster repeated builds, tests).
@@ -191,7 +227,12 @@ class InductorBuilder(Builder):
         if device.startswith("cuda"):
             torch.backends.cuda.matmul.allow_tf32 = tf32  # Inductor's Triton GEMMs read this at compile time
             torch.backends.cudnn.allow_tf32 = tf32
-        compute = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        compute = {
+            "fp32": torch.float32,
+            "tf32": torch.float32,
+            "bf16": torch.bfloat16,
+            "fp16": torch.float16,
+        }[dtype]
         torch.manual_seed(0)
         t0 = time.perf_counter()
         try:
@@ -215,7 +256,9 @@ class InductorBuilder(Builder):
         configs.update(ctx.options.get("inductor_extra", {}))
         t1 = time.perf_counter()
         try:
-            torch._inductor.aoti_compile_and_package(program, package_path=str(out / "model.pt2"), inductor_configs=dict(configs))
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(out / "model.pt2"), inductor_configs=dict(configs)
+            )
         except Exception as exc:
             raise BuildError(f"AOTInductor compile failed: {type(exc).__name__}: {exc}") from exc
         compile_s = time.perf_counter() - t1
@@ -232,8 +275,13 @@ class InductorBuilder(Builder):
         }
         if not device.startswith("cuda"):
             runtime["threads"] = int(ctx.options.get("threads", 1))
-        meta = {"torch_model": ref, "inductor_configs": configs, "export_seconds": round(export_s, 3),
-                "compile_seconds": round(compile_s, 3), "torch": str(torch.__version__)}
+        meta = {
+            "torch_model": ref,
+            "inductor_configs": configs,
+            "export_seconds": round(export_s, 3),
+            "compile_seconds": round(compile_s, 3),
+            "torch": str(torch.__version__),
+        }
         return Artifact(out, "pt2", "model.pt2", runtime, meta)
 
     def load(self, artifact: Artifact) -> Runner:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from tunegate.repository import DEFAULT_RUNTIME, onnx_version_files
 from tuner.builders.base import Artifact, BuildContext, Builder, BuildError, Runner
@@ -56,12 +57,14 @@ def ort_runner(model_path: Path, runtime: Mapping[str, Any]) -> Runner:
     import onnxruntime as ort
 
     session = ort.InferenceSession(
-        str(model_path), sess_options=session_options(runtime), providers=list(runtime.get("providers", ["CPUExecutionProvider"]))
+        str(model_path),
+        sess_options=session_options(runtime),
+        providers=list(runtime.get("providers", ["CPUExecutionProvider"])),
     )
     names = [o.name for o in session.get_outputs()]
     wanted = {i.name for i in session.get_inputs()}
 
-    def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(feeds: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
         outs = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
         return dict(zip(names, (np.asarray(o) for o in outs), strict=True))
 
@@ -69,7 +72,11 @@ def ort_runner(model_path: Path, runtime: Mapping[str, Any]) -> Runner:
 
 
 def runtime_for(route: Mapping[str, str]) -> dict[str, Any]:
-    rt = {**DEFAULT_RUNTIME, "session": dict(DEFAULT_RUNTIME["session"]), "config_entries": dict(DEFAULT_RUNTIME["config_entries"])}
+    rt = {
+        **DEFAULT_RUNTIME,
+        "session": dict(DEFAULT_RUNTIME["session"]),
+        "config_entries": dict(DEFAULT_RUNTIME["config_entries"]),
+    }
     threads = int(route.get("threads", "1"))
     rt["session"].update(
         graph_optimization_level=route.get("opt", "all"),
@@ -84,11 +91,26 @@ class OrtBuilder(Builder):
     name = "onnxruntime"
     knobs = (
         Knob("opt", ("disable", "basic", "extended", "all"), "all", "ORT session graph optimization level"),
-        Knob("fusion", ("none", "bert"), "none", "transformer fusion with onnxruntime.transformers (Attention, LayerNorm, Gelu)"),
-        Knob("quant", ("fp32", "fp16", *INT8), "fp32", "graph precision: fp16, dynamic int8 (per tensor/channel, "
-             "keepffn: FFN down-projections fp32, matmul: MatMul only), static int8 (calibrated)"),
+        Knob(
+            "fusion",
+            ("none", "bert"),
+            "none",
+            "transformer fusion with onnxruntime.transformers (Attention, LayerNorm, Gelu)",
+        ),
+        Knob(
+            "quant",
+            ("fp32", "fp16", *INT8),
+            "fp32",
+            "graph precision: fp16, dynamic int8 (per tensor/channel, "
+            "keepffn: FFN down-projections fp32, matmul: MatMul only), static int8 (calibrated)",
+        ),
         Knob("threads", ("1", "2", "4", "8"), "1", "intra-op threads"),
-        Knob("exec", ("sequential", "parallel"), "sequential", "execution mode (parallel runs independent nodes on inter-op threads)"),
+        Knob(
+            "exec",
+            ("sequential", "parallel"),
+            "sequential",
+            "execution mode (parallel runs independent nodes on inter-op threads)",
+        ),
     )
 
     def available(self) -> tuple[bool, str]:
@@ -136,12 +158,16 @@ class OrtBuilder(Builder):
         heads = int(ctx.options.get("num_heads", 0))
         hidden = int(ctx.options.get("hidden_size", 0))
         # opt_level=0: only the python fusions; the session's own level is the `opt` knob.
-        model = optimizer.optimize_model(str(source), model_type="bert", num_heads=heads, hidden_size=hidden, opt_level=0)
+        model = optimizer.optimize_model(
+            str(source), model_type="bert", num_heads=heads, hidden_size=hidden, opt_level=0
+        )
         meta["fused"] = {k: int(v) for k, v in model.get_fused_operator_statistics().items() if v}
         model.save_model_to_file(str(dest))
         return dest
 
-    def _quantize(self, source: Path, quant: str, work: Path, ctx: BuildContext, meta: dict[str, Any]) -> Path:
+    def _quantize(
+        self, source: Path, quant: str, work: Path, ctx: BuildContext, meta: dict[str, Any]
+    ) -> Path:
         import onnx
         from onnxruntime.quantization import (
             QuantFormat,
@@ -164,19 +190,34 @@ class OrtBuilder(Builder):
         if quant == "int8-channel-keepffn":
             patterns = [re.compile(p) for p in ctx.options.get("keep_fp32_nodes", DEFAULT_KEEP_FP32)]
             graph = onnx.load(str(pre), load_external_data=False).graph
-            exclude = [n.name for n in graph.node if n.op_type in ("MatMul", "Gemm") and any(p.search(n.name) for p in patterns)]
+            exclude = [
+                n.name
+                for n in graph.node
+                if n.op_type in ("MatMul", "Gemm") and any(p.search(n.name) for p in patterns)
+            ]
             if not exclude:
-                raise BuildError(f"int8-channel-keepffn: keep_fp32_nodes {[p.pattern for p in patterns]} matched no MatMul node")
+                raise BuildError(
+                    f"int8-channel-keepffn: keep_fp32_nodes {[p.pattern for p in patterns]} matched no MatMul node"
+                )
             meta["kept_fp32"] = exclude
         if quant == "int8-static":
             quantize_static(
-                str(pre), str(dest), _Calibration(ctx.calibration_batches()), quant_format=QuantFormat.QDQ,
-                per_channel=True, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                str(pre),
+                str(dest),
+                _Calibration(ctx.calibration_batches()),
+                quant_format=QuantFormat.QDQ,
+                per_channel=True,
+                activation_type=QuantType.QInt8,
+                weight_type=QuantType.QInt8,
             )
         else:
             quantize_dynamic(
-                str(pre), str(dest), per_channel=quant != "int8-tensor", weight_type=QuantType.QInt8,
-                nodes_to_exclude=exclude or None, op_types_to_quantize=["MatMul"] if quant == "int8-matmul" else None,
+                str(pre),
+                str(dest),
+                per_channel=quant != "int8-tensor",
+                weight_type=QuantType.QInt8,
+                nodes_to_exclude=exclude or None,
+                op_types_to_quantize=["MatMul"] if quant == "int8-matmul" else None,
             )
         return dest
 
@@ -190,8 +231,8 @@ class OrtBuilder(Builder):
 class _Calibration:
     """onnxruntime.quantization's CalibrationDataReader over the spec's input batches."""
 
-    def __init__(self, batches: list[dict[str, np.ndarray]]) -> None:
+    def __init__(self, batches: list[dict[str, npt.NDArray[Any]]]) -> None:
         self._it = iter(batches)
 
-    def get_next(self) -> dict[str, np.ndarray] | None:
+    def get_next(self) -> dict[str, npt.NDArray[Any]] | None:
         return next(self._it, None)

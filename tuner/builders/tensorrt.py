@@ -1,8 +1,8 @@
 """The TensorRT 11 builder, written against the real TensorRT Python API (`import tensorrt as trt`).
 
-TensorRT cannot be installed in this workplace: its -libs wheels are placeholders that download
-from an index this workplace cannot reach. `available()` then says so and the builder contributes
-no route; there is no fake `tensorrt` module anywhere. On a GPU host with TensorRT 11 it builds
+Where `tensorrt` cannot be imported (a CPU-only machine, or the PyPI `tensorrt-*-libs` wheels, which
+are placeholders that download the libraries from NVIDIA's index at install time), `available()` says
+so and the builder contributes no route; there is no fake `tensorrt` module anywhere. On a GPU host with TensorRT 11 it builds
 `model.plan` for Triton's `platform: "tensorrt_plan"`.
 
 Knobs:
@@ -26,14 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from tunegate.records import atomic_write_bytes
 from tuner.builders.base import Artifact, BuildContext, Builder, BuildError, Runner
 from tuner.routes import Knob
 
 UNAVAILABLE = (
-    "TensorRT cannot be installed in this workplace: its -libs wheels are placeholders that download "
-    "from an unreachable index"
+    "the tensorrt Python package is not installed (TensorRT 11 needs an NVIDIA GPU host; the PyPI -libs "
+    "wheels are placeholders that download the libraries from NVIDIA's index)"
 )
 
 
@@ -46,20 +47,41 @@ def _trt() -> Any:
 class TensorRTBuilder(Builder):
     name = "tensorrt"
     knobs = (
-        Knob("opt_level", ("0", "1", "2", "3", "4", "5"), "3", "builder_optimization_level (higher: longer build, faster kernels)"),
-        Knob("tiling", ("none", "fast", "moderate", "full"), "none", "tiling_optimization_level (L2 cache tiling search)"),
-        Knob("build_route", ("default", *(f"r{i}" for i in range(8))), "default",
-             "config.build_route: default, or rN = the N-th entry of config.all_build_routes"),
+        Knob(
+            "opt_level",
+            ("0", "1", "2", "3", "4", "5"),
+            "3",
+            "builder_optimization_level (higher: longer build, faster kernels)",
+        ),
+        Knob(
+            "tiling",
+            ("none", "fast", "moderate", "full"),
+            "none",
+            "tiling_optimization_level (L2 cache tiling search)",
+        ),
+        Knob(
+            "build_route",
+            ("default", *(f"r{i}" for i in range(8))),
+            "default",
+            "config.build_route: default, or rN = the N-th entry of config.all_build_routes",
+        ),
     )
 
     def available(self) -> tuple[bool, str]:
         try:
             trt = _trt()
-        except ImportError:
+        except ModuleNotFoundError as exc:
+            if exc.name != "tensorrt":  # tensorrt is there, something it needs is not
+                return False, f"tensorrt cannot be imported: {exc}"
             return False, UNAVAILABLE
+        except ImportError as exc:  # a library it loads (libnvinfer, CUDA) is missing or the wrong version
+            return False, f"tensorrt cannot be imported: {exc}"
         major = int(str(trt.__version__).split(".")[0])
         if major < 11:
-            return False, f"TensorRT {trt.__version__} is installed; this builder needs TensorRT 11 (build routes)"
+            return (
+                False,
+                f"TensorRT {trt.__version__} is installed; this builder needs TensorRT 11 (build routes)",
+            )
         return True, f"tensorrt {trt.__version__}"
 
     def tool_versions(self) -> dict[str, str]:
@@ -94,7 +116,9 @@ class TensorRTBuilder(Builder):
             config.build_route = routes[idx]
         self._profile(builder, network, config, ctx)
         cache_path = ctx.options.get("timing_cache")
-        cache = config.create_timing_cache(Path(cache_path).read_bytes() if cache_path and Path(cache_path).exists() else b"")
+        cache = config.create_timing_cache(
+            Path(cache_path).read_bytes() if cache_path and Path(cache_path).exists() else b""
+        )
         config.set_timing_cache(cache, ignore_mismatch=False)
         plan = builder.build_serialized_network(network, config)
         if plan is None:
@@ -103,7 +127,9 @@ class TensorRTBuilder(Builder):
         if cache_path:
             atomic_write_bytes(Path(cache_path), bytes(config.get_timing_cache().serialize()))
         meta = {"build_route": chosen, "layers": network.num_layers}
-        return Artifact(out, "tensorrt-plan", "model.plan", {"format": "tensorrt-plan", "artifact": "model.plan"}, meta)
+        return Artifact(
+            out, "tensorrt-plan", "model.plan", {"format": "tensorrt-plan", "artifact": "model.plan"}, meta
+        )
 
     def _profile(self, builder: Any, network: Any, config: Any, ctx: BuildContext) -> None:
         """One optimisation profile spanning the spec's smallest and largest input shapes."""
@@ -123,12 +149,14 @@ class TensorRTBuilder(Builder):
         import torch  # CUDA buffers; TensorRT has no host-side runner
 
         trt = _trt()
-        engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(artifact.path.read_bytes())
+        engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(
+            artifact.path.read_bytes()
+        )
         context = engine.create_execution_context()
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
 
-        def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        def run(feeds: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
             keep = []
             for name in names:
                 if name in feeds:
@@ -153,4 +181,3 @@ class TensorRTBuilder(Builder):
     def version_files(self, artifact: Artifact) -> dict[str, Path | bytes | str]:
         # Served by platform "tensorrt_plan": the model's config.pbtxt must be of that form.
         return {"model.plan": artifact.path}
-

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegate.procs import die_with_parent
+from tuner.builders import get_builder
 from tuner.builders.base import Artifact, BuildContext, BuildError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +102,6 @@ def run_build(
 
 
 def main(argv: list[str]) -> int:
-    from tuner.builders import get_builder
 
     request: dict[str, Any] = json.loads(Path(argv[0]).read_text())
     builder = get_builder(request["builder"])
