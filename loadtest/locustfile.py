@@ -16,21 +16,28 @@ import math
 import threading
 from typing import Any
 
-from locust import FastHttpUser, LoadTestShape, events, task
-from locust import constant_throughput
+from locust import FastHttpUser, LoadTestShape, constant_throughput, events, task
 
 from loadtest.replay import ArrivalProfile, Payload, ReplayPlan, Synthesizer, exact_payloads
 
 
-@events.init_command_line_parser.add_listener
+@events.init_command_line_parser.add_listener  # type: ignore[untyped-decorator]  # unannotated in locust
 def _options(parser: Any) -> None:
-    parser.add_argument("--capture", type=str, env_var="TUNEGATE_CAPTURE", default="", help="capture file or dir")
-    parser.add_argument("--replay-mode", choices=["exact", "synth"], env_var="TUNEGATE_REPLAY_MODE", default="exact")
-    parser.add_argument("--profile", choices=["fixed", "capture"], env_var="TUNEGATE_PROFILE", default="fixed")
+    parser.add_argument(
+        "--capture", type=str, env_var="TUNEGATE_CAPTURE", default="", help="capture file or dir"
+    )
+    parser.add_argument(
+        "--replay-mode", choices=["exact", "synth"], env_var="TUNEGATE_REPLAY_MODE", default="exact"
+    )
+    parser.add_argument(
+        "--profile", choices=["fixed", "capture"], env_var="TUNEGATE_PROFILE", default="fixed"
+    )
     parser.add_argument("--time-scale", type=float, env_var="TUNEGATE_TIME_SCALE", default=1.0)
     parser.add_argument("--rate", type=float, env_var="TUNEGATE_RATE", default=0.0)
     parser.add_argument("--per-user-rate", type=float, env_var="TUNEGATE_PER_USER_RATE", default=2.0)
-    parser.add_argument("--name-by", choices=["model", "batch", "shape"], env_var="TUNEGATE_NAME_BY", default="model")
+    parser.add_argument(
+        "--name-by", choices=["model", "batch", "shape"], env_var="TUNEGATE_NAME_BY", default="model"
+    )
     parser.add_argument("--replay-duration", type=float, env_var="TUNEGATE_REPLAY_DURATION", default=0.0)
     parser.add_argument("--replay-seed", type=int, env_var="TUNEGATE_REPLAY_SEED", default=0)
 
@@ -46,7 +53,9 @@ class _Replay:
         self._lock = threading.Lock()
         self._order = itertools.cycle(range(len(self.plan.records)))
         self._exact = exact_payloads(self.plan.records, opts.name_by) if opts.replay_mode == "exact" else None
-        self._synth = Synthesizer(self.plan.records, opts.replay_seed) if opts.replay_mode == "synth" else None
+        self._synth = (
+            Synthesizer(self.plan.records, opts.replay_seed) if opts.replay_mode == "synth" else None
+        )
 
     def next(self) -> Payload:
         with self._lock:
@@ -60,7 +69,7 @@ class _Replay:
 REPLAY: dict[str, _Replay] = {}
 
 
-@events.init.add_listener
+@events.init.add_listener  # type: ignore[untyped-decorator]  # unannotated in locust
 def _load(environment: Any, **_kw: Any) -> None:
     opts = environment.parsed_options
     if opts is None:
@@ -83,12 +92,14 @@ class CaptureReplayUser(FastHttpUser):
             rate = opts.per_user_rate
         else:
             rate = opts.rate / max(1, opts.num_users) if opts.rate > 0 else 0.0
-        return float(constant_throughput(rate)(self)) if rate > 0 else 0.0
+        return float(constant_throughput(rate)(self)) if rate > 0 else 0.0  # type: ignore[no-untyped-call]  # unannotated in locust
 
     @task
     def replay(self) -> None:
         p = REPLAY["state"].next()
-        with self.client.post(p.path, data=p.body, headers=p.headers, name=p.name, catch_response=True) as resp:
+        with self.client.post(  # type: ignore[no-untyped-call]  # FastHttpSession.post is unannotated in locust
+            p.path, data=p.body, headers=p.headers, name=p.name, catch_response=True
+        ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:200]}")
 
@@ -101,8 +112,12 @@ class ReplayShape(LoadTestShape):
     """Fixed users for --replay-duration, or the capture's own arrival profile (users = rate / per-user rate)."""
 
     def tick(self) -> tuple[int, float] | None:
-        opts = self.runner.environment.parsed_options
-        t = self.get_run_time()
+        opts = self.runner.environment.parsed_options if self.runner is not None else None
+        if opts is None:
+            raise RuntimeError(
+                "ReplayShape needs a Locust runner started with the replay's command-line options"
+            )
+        t = self.get_run_time()  # type: ignore[no-untyped-call]  # unannotated in locust
         if opts.profile == "capture":
             profile = REPLAY["state"].profile
             limit = opts.replay_duration or profile.duration_s

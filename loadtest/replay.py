@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from tunegate import codec
 from tunegate.capture import CaptureError, CaptureRecord, load_capture
@@ -29,7 +31,7 @@ class Payload:
     shape_key: str
 
 
-def shape_key(shapes: dict[str, Sequence[int]]) -> str:
+def shape_key(shapes: Mapping[str, Sequence[int]]) -> str:
     """A stable label for a request's input shapes, e.g. 'attention_mask=2x17,input_ids=2x17'."""
     return ",".join(f"{n}={'x'.join(str(d) for d in s)}" for n, s in sorted(shapes.items()))
 
@@ -41,13 +43,13 @@ def _headers(header_length: int | None) -> dict[str, str]:
     return h
 
 
-def batch_of(shapes: dict[str, Sequence[int]]) -> int:
+def batch_of(shapes: Mapping[str, Sequence[int]]) -> int:
     """The batch size of a request: the first dimension of its inputs (1 for scalars)."""
     dims = [s[0] for s in shapes.values() if len(s)]
     return int(dims[0]) if dims else 1
 
 
-def _name(model: str, shapes: dict[str, Sequence[int]], name_by: str) -> str:
+def _name(model: str, shapes: Mapping[str, Sequence[int]], name_by: str) -> str:
     if name_by == "model":
         return model
     if name_by == "batch":
@@ -61,9 +63,15 @@ def exact_payloads(records: Sequence[CaptureRecord], name_by: str = "model") -> 
         try:
             msg = r.decode()
         except codec.CodecError as exc:
-            raise CaptureError(f"capture record {i} ({r.request_id or 'no id'}): body does not decode: {exc}") from exc
+            raise CaptureError(
+                f"capture record {i} ({r.request_id or 'no id'}): body does not decode: {exc}"
+            ) from exc
         shapes = {n: t.shape for n, t in msg.tensors.items()}
-        out.append(Payload(r.path, r.body, _headers(r.header_length), _name(r.model, shapes, name_by), shape_key(shapes)))
+        out.append(
+            Payload(
+                r.path, r.body, _headers(r.header_length), _name(r.model, shapes, name_by), shape_key(shapes)
+            )
+        )
     return out
 
 
@@ -77,7 +85,7 @@ class Synthesizer:
     def __init__(self, records: Sequence[CaptureRecord], seed: int = 0) -> None:
         self.rng = np.random.default_rng(seed)
         self.records = list(records)
-        pools: dict[str, list[np.ndarray]] = {}
+        pools: dict[str, list[npt.NDArray[Any]]] = {}
         self.decoded: list[codec.InferMessage] = []
         for i, r in enumerate(self.records):
             try:
@@ -95,7 +103,11 @@ class Synthesizer:
         for n, t in msg.tensors.items():
             pool = self.pools[n]
             size = int(np.prod(t.shape)) if t.shape else 1
-            values = pool[self.rng.integers(0, pool.size, size=size)] if pool.size else np.zeros(size, t.array.dtype)
+            values = (
+                pool[self.rng.integers(0, pool.size, size=size)]
+                if pool.size
+                else np.zeros(size, t.array.dtype)
+            )
             tensors.append(codec.Tensor(n, t.datatype, values.reshape(t.shape).astype(t.array.dtype)))
         body, hl = codec.encode_request(tensors, binary=binary)
         shapes = {n: t.shape for n, t in msg.tensors.items()}
@@ -118,7 +130,9 @@ class ArrivalProfile:
         return self.rates[i] if 0 <= i < len(self.rates) else None
 
     @classmethod
-    def from_timestamps(cls, ts: Sequence[float], time_scale: float = 1.0, step_s: float = 1.0) -> ArrivalProfile:
+    def from_timestamps(
+        cls, ts: Sequence[float], time_scale: float = 1.0, step_s: float = 1.0
+    ) -> ArrivalProfile:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         if not ts:
@@ -156,8 +170,8 @@ def record_shape_key(r: CaptureRecord) -> str:
     return shape_key({n: t.shape for n, t in r.decode().tensors.items()})
 
 
-def mix(keys: object) -> dict[str, float]:
-    counts = Counter(keys)  # type: ignore[arg-type]
+def mix(keys: Iterable[str]) -> dict[str, float]:
+    counts = Counter(keys)
     total = sum(counts.values())
     return {k: v / total for k, v in sorted(counts.items())} if total else {}
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import csv
-import signal
 import dataclasses
+import signal
 import subprocess
 import sys
 import tempfile
@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tunegate.errors import ServiceError
+
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 
 
-class LoadTestError(RuntimeError):
+class LoadTestError(ServiceError):
     """Locust could not run the replay (bad capture, bad options, crashed)."""
 
 
@@ -135,7 +137,9 @@ def run(opts: LoadOptions, progress: Any = None) -> LoadResult:
     log = workdir / "locust.log"
     t0 = time.monotonic()
     with open(log, "wb") as logf:
-        proc = subprocess.Popen(command(opts, Path(prefix)), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            command(opts, Path(prefix)), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         limit = opts.duration_s + 60
         stopping = False
         try:

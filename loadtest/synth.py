@@ -33,7 +33,11 @@ class SynthSpec:
             raise ValueError("requests must be >= 1")
         if self.rate <= 0:
             raise ValueError("rate must be > 0")
-        if not self.batch_mix or any(b < 1 or w < 0 for b, w in self.batch_mix) or sum(w for _, w in self.batch_mix) <= 0:
+        if (
+            not self.batch_mix
+            or any(b < 1 or w < 0 for b, w in self.batch_mix)
+            or sum(w for _, w in self.batch_mix) <= 0
+        ):
             raise ValueError("batch_mix needs positive batch sizes and non-negative weights that sum above 0")
 
 

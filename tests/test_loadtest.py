@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -12,7 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadtest.replay import ArrivalProfile, ReplayPlan, Synthesizer, batch_of, exact_payloads, mix, total_variation
+from loadtest.replay import (
+    ArrivalProfile,
+    ReplayPlan,
+    Synthesizer,
+    batch_of,
+    exact_payloads,
+    mix,
+    total_variation,
+)
 from loadtest.runner import LoadOptions, run
 from loadtest.synth import SynthSpec, synthesize
 from tunegate import codec
@@ -112,17 +121,30 @@ def test_capture_writer_rotates_and_caps(tmp_path: Path) -> None:
 
 @pytest.mark.triton
 @pytest.mark.parametrize("mode", ["exact", "synth"])
-def test_replay_reproduces_the_capture_shape_mix(demo_triton: EmbeddedTriton, capture: Path, tmp_path: Path,
-                                                 mode: str) -> None:
+def test_replay_reproduces_the_capture_shape_mix(
+    demo_triton: EmbeddedTriton, capture: Path, tmp_path: Path, mode: str
+) -> None:
     users = 3
-    result = run(LoadOptions(capture=capture, host=demo_triton.http_url, users=users, spawn_rate=users,
-                             duration_s=6, mode=mode, name_by="batch", csv_prefix=tmp_path / "s"))
+    result = run(
+        LoadOptions(
+            capture=capture,
+            host=demo_triton.http_url,
+            users=users,
+            spawn_rate=users,
+            duration_s=6,
+            mode=mode,
+            name_by="batch",
+            csv_prefix=tmp_path / "s",
+        )
+    )
     assert result.total.failures == 0 and result.total.requests >= 10
     # Payloads go out in capture order, cycling; those in flight at the stop are not counted, so each
     # batch size may be short by at most `users` requests. Stated tolerance: that, nothing more.
     recs = load_capture(capture)
-    sent = Counter(f"minilm b={batch_of({n: v['shape'] for n, v in recs[i % len(recs)].inputs.items()})}"
-                   for i in range(result.total.requests + users))
+    sent = Counter(
+        f"minilm b={batch_of({n: v['shape'] for n, v in recs[i % len(recs)].inputs.items()})}"
+        for i in range(result.total.requests + users)
+    )
     got = {k: v.requests for k, v in result.by_name.items()}
     for name, n in got.items():
         assert 0 <= sent[name] - n <= users, (name, n, sent[name])
@@ -132,17 +154,58 @@ def test_replay_reproduces_the_capture_shape_mix(demo_triton: EmbeddedTriton, ca
 
 @pytest.mark.triton
 def test_loadtest_cli_fails_on_errors_and_bad_captures(demo_triton: EmbeddedTriton, tmp_path: Path) -> None:
-    wrong = [CaptureRecord(1.0 + i, "no_such_model", None, *codec.encode_request({"x": np.ones((1, 2), np.float32)}))
-             for i in range(5)]
+    wrong = [
+        CaptureRecord(
+            1.0 + i, "no_such_model", None, *codec.encode_request({"x": np.ones((1, 2), np.float32)})
+        )
+        for i in range(5)
+    ]
     write_capture_file(tmp_path / "capture-w.jsonl", wrong)
-    cmd = [sys.executable, "-m", "tunegate.cli", "loadtest", "--host", demo_triton.http_url, "--users", "1",
-           "--duration", "2", "--json"]
-    proc = subprocess.run([*cmd, "--capture", str(tmp_path / "capture-w.jsonl")], capture_output=True, text=True,
-                          timeout=120)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tunegate.app.cli",
+        "loadtest",
+        "--host",
+        demo_triton.http_url,
+        "--users",
+        "1",
+        "--duration",
+        "2",
+        "--json",
+    ]
+    proc = subprocess.run(
+        [*cmd, "--capture", str(tmp_path / "capture-w.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 1, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["failure_ratio"] == 1.0 and summary["requests"] > 0 and summary["ok"] is False
     (tmp_path / "capture-bad.jsonl").write_text("garbage\n")
-    proc = subprocess.run([*cmd, "--capture", str(tmp_path / "capture-bad.jsonl")], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [*cmd, "--capture", str(tmp_path / "capture-bad.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 2 and "capture-bad.jsonl:1: not JSON" in proc.stderr
+
+
+def test_loadtest_refuses_a_host_where_nothing_answers(tmp_path: Path) -> None:
+    write_capture_file(
+        tmp_path / "capture-a.jsonl",
+        [CaptureRecord(1.0, "m", None, *codec.encode_request({"x": np.ones((1, 2), np.float32)}))],
+    )
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tunegate.app.cli", "loadtest", "--capture", str(tmp_path / "capture-a.jsonl"),
+         "--host", f"http://127.0.0.1:{port}", "--duration", "30"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "nothing answers at" in proc.stderr, proc.stderr
