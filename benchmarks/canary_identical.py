@@ -70,7 +70,9 @@ async def direct_latency(session: aiohttp.ClientSession, url: str, model: str, n
         v = "1" if i % 2 == 0 else "2"
         body, headers = infer_body(rng)
         t0 = time.perf_counter()
-        async with session.post(f"{url}/v2/models/{model}/versions/{v}/infer", data=body, headers=headers) as r:
+        async with session.post(
+            f"{url}/v2/models/{model}/versions/{v}/infer", data=body, headers=headers
+        ) as r:
             await r.read()
             assert r.status == 200, r.status
         lat[v].append(time.perf_counter() - t0)
@@ -97,7 +99,9 @@ async def run_canary(session: aiohttp.ClientSession, sidecar_url: str, model: st
         while not stop.is_set() and time.monotonic() < give_up:
             body, headers = infer_body(rng)
             t0 = time.perf_counter()
-            async with session.post(f"{sidecar_url}/v2/models/{model}/infer", data=body, headers=headers) as r:
+            async with session.post(
+                f"{sidecar_url}/v2/models/{model}/infer", data=body, headers=headers
+            ) as r:
                 await r.read()
             latencies.append(time.perf_counter() - t0)
             codes[r.status] = codes.get(r.status, 0) + 1
@@ -160,9 +164,12 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "pin_rate": (counts["pinned"] + counts["inconclusive"]) / n,
                 "median_samples": statistics.median(r["samples"] for r in rs),
                 "median_seconds": statistics.median(r["seconds"] for r in rs),
-                "median_p50_ratio": statistics.median([r["p50_ratio"] for r in rs if r["p50_ratio"]] or [float("nan")]),
-                "median_throughput_ratio": statistics.median([r["throughput_ratio"] for r in rs if r["throughput_ratio"]]
-                                                             or [float("nan")]),
+                "median_p50_ratio": statistics.median(
+                    [r["p50_ratio"] for r in rs if r["p50_ratio"]] or [float("nan")]
+                ),
+                "median_throughput_ratio": statistics.median(
+                    [r["throughput_ratio"] for r in rs if r["throughput_ratio"]] or [float("nan")]
+                ),
                 "client_p50_ms": pct(lat, 0.5) * 1e3,
                 "client_p99_ms": pct(lat, 0.99) * 1e3,
                 "client_errors": sum(r["client_errors"] for r in rs),
@@ -188,9 +195,16 @@ def print_table(summary: dict[str, Any], calibration: dict[str, float]) -> None:
 
 
 async def bench(args: argparse.Namespace, repo: Path, work: Path) -> dict[str, Any]:
-    names = {(kind, mode, i): f"{kind}_{mode}_{i:02d}" for kind in KINDS for mode in args.modes for i in range(args.canaries)}
+    names = {
+        (kind, mode, i): f"{kind}_{mode}_{i:02d}"
+        for kind in KINDS
+        for mode in args.modes
+        for i in range(args.canaries)
+    }
     add_model(repo, "calib", {2: {"work": 0}}, baseline={"work": args.work})
-    write_config(repo, dataclasses.replace(config("calib"), versions=(1, 2)))  # both served, for direct timing
+    write_config(
+        repo, dataclasses.replace(config("calib"), versions=(1, 2))
+    )  # both served, for direct timing
     stop = multiprocessing.Event()
     hogs = [multiprocessing.Process(target=hog, args=(stop,), daemon=True) for _ in range(args.hogs)]
     runs: list[dict[str, Any]] = []
@@ -200,17 +214,24 @@ async def bench(args: argparse.Namespace, repo: Path, work: Path) -> dict[str, A
             # v1 does the baseline's work, v2 none: the work's share of the latency sizes the slower candidate's work
             total, bare = calibration.pop("v1_p50_ms"), calibration.pop("v2_p50_ms")
             slow_work = round(args.work * (1 + (args.slowdown - 1) * total / max(total - bare, 1e-3)))
-            calibration.update(baseline_p50_ms=total, no_work_p50_ms=bare, baseline_work=args.work, slower_work=slow_work)
+            calibration.update(
+                baseline_p50_ms=total, no_work_p50_ms=bare, baseline_work=args.work, slower_work=slow_work
+            )
             log(f"calibration: {calibration}")
             triton.unload("calib")
             for (kind, _mode, _i), name in names.items():
-                add_model(repo, name, {2: {"work": slow_work if kind == "slower" else args.work}}, baseline={"work": args.work})
+                add_model(
+                    repo,
+                    name,
+                    {2: {"work": slow_work if kind == "slower" else args.work}},
+                    baseline={"work": args.work},
+                )
             token = write_token_file(work / "token", TOKEN)
             for h in hogs:
                 h.start()
             t_start = time.monotonic()
             try:
-                with SidecarProcess(upstream=triton.http_url, state_dir=work / "state", repository=repo,
+                with SidecarProcess(upstream=triton.http_url, upstream_grpc=triton.grpc_address, state_dir=work / "state", repository=repo,
                                     token_file=token) as sc:  # fmt: skip
                     order = [(k, m, i) for i in range(args.canaries) for m in args.modes for k in KINDS]
                     for n, key in enumerate(order, 1):
@@ -244,14 +265,22 @@ async def bench(args: argparse.Namespace, repo: Path, work: Path) -> dict[str, A
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--canaries", type=int, default=20, help="canaries per candidate kind and pairing mode (default 20)")
+    ap.add_argument(
+        "--canaries", type=int, default=20, help="canaries per candidate kind and pairing mode (default 20)"
+    )
     ap.add_argument("--quick", action="store_true", help="2 canaries per kind and mode, to check the setup")
     ap.add_argument("--modes", nargs="+", choices=LATENCY_PAIRINGS, default=list(LATENCY_PAIRINGS),
                     help="latency pairing modes to run (default: all)")  # fmt: skip
     ap.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
-    ap.add_argument("--rate", type=float, default=100.0, help="total client req/s; 0: as fast as answered (default 100)")
-    ap.add_argument("--deadline-s", type=float, default=CanaryParams().deadline_s,
-                    help=f"canary deadline_s (default {CanaryParams().deadline_s:g}, the sidecar's)")
+    ap.add_argument(
+        "--rate", type=float, default=100.0, help="total client req/s; 0: as fast as answered (default 100)"
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=CanaryParams().deadline_s,
+        help=f"canary deadline_s (default {CanaryParams().deadline_s:g}, the sidecar's)",
+    )
     ap.add_argument("--work", type=int, default=100_000,
                     help="busy-loop iterations per request in the baseline (default 100000, about 1.5 ms)")  # fmt: skip
     ap.add_argument("--slowdown", type=float, default=1.10,

@@ -75,23 +75,52 @@ SCENARIOS = (
     Scenario("identical-jitter", "good", "identical, 30% jitter per side", jitter=0.3),
     Scenario("identical-spikes", "good", "identical, 2% GC-like spikes per side", spikes=0.02),
     Scenario("identical-heavy", "good", "identical, heavy-tailed (Pareto) latencies per side", heavy=True),
-    Scenario("identical-drift", "good", "identical, candidate's instance drifts +-4% (within the 5% slack)", drift=0.04),
-    Scenario("identical-nondeterministic", "good", "baseline non-deterministic: A/A mismatches on 0.5% of requests",
-             aa_oot_rate=0.005),
-    Scenario("identical-timeouts", "good", "0.5% timeouts on both sides", error_rate=0.005, aa_error_rate=0.005),
-    Scenario("faster", "good", "10% faster, 0.1% out of tolerance (budget 0.5%)", latency_ratio=0.9, oot_rate=0.001),
+    Scenario(
+        "identical-drift",
+        "good",
+        "identical, candidate's instance drifts +-4% (within the 5% slack)",
+        drift=0.04,
+    ),
+    Scenario(
+        "identical-nondeterministic",
+        "good",
+        "baseline non-deterministic: A/A mismatches on 0.5% of requests",
+        aa_oot_rate=0.005,
+    ),
+    Scenario(
+        "identical-timeouts", "good", "0.5% timeouts on both sides", error_rate=0.005, aa_error_rate=0.005
+    ),
+    Scenario(
+        "faster", "good", "10% faster, 0.1% out of tolerance (budget 0.5%)", latency_ratio=0.9, oot_rate=0.001
+    ),
     Scenario("oot-2x", "bad", "out of tolerance on 1% (2x the budget)", oot_rate=0.01),
-    Scenario("oot-2x-nondeterministic", "bad", "0.5% A/A mismatches, candidate 1% more (2x the budget)",
-             aa_oot_rate=0.005, oot_rate=0.01),
-    Scenario("oot-clustered", "bad", "a bad request class: 1% of requests, in runs of 20", oot_rate=0.01,
-             run_length=20),
+    Scenario(
+        "oot-2x-nondeterministic",
+        "bad",
+        "0.5% A/A mismatches, candidate 1% more (2x the budget)",
+        aa_oot_rate=0.005,
+        oot_rate=0.01,
+    ),
+    Scenario(
+        "oot-clustered",
+        "bad",
+        "a bad request class: 1% of requests, in runs of 20",
+        oot_rate=0.01,
+        run_length=20,
+    ),
     Scenario("slower-10", "bad", "10% slower at p50", latency_ratio=1.10),
-    Scenario("slower-10-jitter", "bad", "10% slower at p50, 30% jitter per side", latency_ratio=1.10, jitter=0.3),
+    Scenario(
+        "slower-10-jitter", "bad", "10% slower at p50, 30% jitter per side", latency_ratio=1.10, jitter=0.3
+    ),
     Scenario("tail", "bad", "2.6% of requests 3x slower (p95 ratio 1.10)", tail_share=0.026),
     Scenario("late-regression", "bad", "+25% latency from sample 800 on", late_ratio=1.25, late_from=800),
     Scenario("errors", "bad", "3% candidate errors, baseline 0.5%", error_rate=0.03, aa_error_rate=0.005),
-    Scenario("slow-class", "bad", "20% slower on the longest requests only (b16, 4% of traffic)",
-             class_ratio=("b16", 1.2)),
+    Scenario(
+        "slow-class",
+        "bad",
+        "20% slower on the longest requests only (b16, 4% of traffic)",
+        class_ratio=("b16", 1.2),
+    ),
     Scenario("oot-at-budget", "edge", "out of tolerance exactly at the 0.5% budget", oot_rate=0.005),
 )
 
@@ -129,7 +158,7 @@ def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
     if sc.drift:
         ratio *= 1.0 + sc.drift * np.sin(np.arange(n) / n * 4 * math.pi + rng.uniform(0, 2 * math.pi))
     if sc.late_from:
-        ratio[sc.late_from:] *= sc.late_ratio / sc.latency_ratio
+        ratio[sc.late_from :] *= sc.late_ratio / sc.latency_ratio
     if sc.class_ratio is not None:
         ratio = np.where(names[ci] == sc.class_ratio[0], ratio * sc.class_ratio[1], ratio)
     if sc.tail_share:
@@ -145,7 +174,7 @@ def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
         starts = rng.random(n) < sc.oot_rate / sc.run_length
         oot = np.zeros(n, dtype=bool)
         for s in np.flatnonzero(starts):
-            oot[s:s + sc.run_length] = True
+            oot[s : s + sc.run_length] = True
         # the run is one request class, unknown to the traffic mix only until it shows up
         cls = np.where(oot, "rare", cls)
     else:
@@ -186,7 +215,7 @@ class Prefix:
         m = -(-i // self.aa_every)  # replays among the first i samples
         aa = {name: int(c[m - 1]) if m else 0 for name, c in self.aa.items()}
         pairs_total = max(0, compared - WARMUP)
-        held = self.okpos[WARMUP + max(0, pairs_total - MAX_PAIRS): WARMUP + pairs_total]
+        held = self.okpos[WARMUP + max(0, pairs_total - MAX_PAIRS) : WARMUP + pairs_total]
         classes = {c: [int(n[i - 1]), int(k[i - 1])] for c, (n, k) in self.classes.items() if n[i - 1] > 0}
         return Evidence(
             compared=compared, out_of_tolerance=int(self.c_oot[i - 1]), sent=i, errors=int(self.c_err[i - 1]),

@@ -78,7 +78,9 @@ def main() -> None:
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--aa", action="store_true", help="also the reference (graph optimizations off) against v1")
+    ap.add_argument(
+        "--aa", action="store_true", help="also the reference (graph optimizations off) against v1"
+    )
     args = ap.parse_args()
 
     from loadtest.synth import SynthSpec, synthesize
@@ -92,7 +94,9 @@ def main() -> None:
     source = models.minilm_onnx()
     base_rt = json.loads((ROOT / "model_repository" / "minilm" / "1" / "runtime.json").read_text())
     baseline = ort_runner(source, base_rt)
-    reference = ort_runner(source, {**base_rt, "session": {**base_rt["session"], "graph_optimization_level": "disable"}})
+    reference = ort_runner(
+        source, {**base_rt, "session": {**base_rt["session"], "graph_optimization_level": "disable"}}
+    )
     records = synthesize(SynthSpec(requests=args.requests, seed=args.seed))
     feeds = [r.decode().arrays() for r in records]
     base_out = [baseline(f)["embedding"] for f in feeds]
@@ -102,7 +106,9 @@ def main() -> None:
     calib = args.workdir / "calibration.npz"
     args.workdir.mkdir(parents=True, exist_ok=True)
     save_batches(calib, [r.decode().arrays() for r in synthesize(SynthSpec(requests=16, seed=99))])
-    ctx = BuildContext({"num_heads": 12, "hidden_size": 384, "keep_fp32_nodes": [r"layer\.\d+/output/dense"]}, calib)
+    ctx = BuildContext(
+        {"num_heads": 12, "hidden_size": 384, "keep_fp32_nodes": [r"layer\.\d+/output/dense"]}, calib
+    )
     builder = get_builder("onnxruntime")
     tok = Tokenizer()
     rng = np.random.default_rng(5)
@@ -112,8 +118,13 @@ def main() -> None:
     bench = {b: {k: v[:, :32] for k, v in f.items()} for b, f in bench.items()}
 
     results: dict[str, Any] = {
-        "requests": len(feeds), "rows": int(rows.sum()), "seed": args.seed,
-        "seq_p50": float(np.median(seqs)), "seq_max": int(seqs.max()), "thresholds": list(THRESHOLDS), "routes": {},
+        "requests": len(feeds),
+        "rows": int(rows.sum()),
+        "seed": args.seed,
+        "seq_p50": float(np.median(seqs)),
+        "seq_max": int(seqs.max()),
+        "thresholds": list(THRESHOLDS),
+        "routes": {},
     }
     named = {"A/A reference (opt=disable)": reference} if args.aa else {}
     for route in args.routes:
@@ -133,22 +144,39 @@ def main() -> None:
         oot = {f"{thr:g}": float((worst < thr).mean()) for thr in THRESHOLDS}
         entry: dict[str, Any] = {
             "oot": oot,
-            "worst_cosine": {"min": float(worst.min()), "p01": float(np.quantile(worst, 0.01)),
-                             "p05": float(np.quantile(worst, 0.05)), "p50": float(np.median(worst))},
-            "oot_by_rows_at_0.99": {int(b): float((worst[rows == b] < 0.99).mean()) for b in sorted(set(rows))},
-            "per_request": {"worst_cosine": [round(float(w), 6) for w in worst], "rows": rows.tolist(),
-                            "sequence": seqs.tolist()},
+            "worst_cosine": {
+                "min": float(worst.min()),
+                "p01": float(np.quantile(worst, 0.01)),
+                "p05": float(np.quantile(worst, 0.05)),
+                "p50": float(np.median(worst)),
+            },
+            "oot_by_rows_at_0.99": {
+                int(b): float((worst[rows == b] < 0.99).mean()) for b in sorted(set(rows))
+            },
+            "per_request": {
+                "worst_cosine": [round(float(w), 6) for w in worst],
+                "rows": rows.tolist(),
+                "sequence": seqs.tolist(),
+            },
         }
         if not args.no_latency:
             lat = {}
             for b, f in bench.items():
                 c_ms, b_ms = paired_p50(runner, baseline, f, args.repeats)
-                lat[f"b{b}"] = {"candidate_ms": round(c_ms, 3), "baseline_ms": round(b_ms, 3), "speedup": round(b_ms / c_ms, 3)}
+                lat[f"b{b}"] = {
+                    "candidate_ms": round(c_ms, 3),
+                    "baseline_ms": round(b_ms, 3),
+                    "speedup": round(b_ms / c_ms, 3),
+                }
             entry["latency"] = lat
         results["routes"][name] = entry
         sp = " ".join(f"{k} x{v['speedup']:.2f}" for k, v in entry.get("latency", {}).items())
-        print(f"{name:42s} min {worst.min():.4f} p01 {entry['worst_cosine']['p01']:.4f} "
-              + " ".join(f"{t}:{100 * v:.1f}%" for t, v in oot.items()) + f"  {sp}", flush=True)
+        print(
+            f"{name:42s} min {worst.min():.4f} p01 {entry['worst_cosine']['p01']:.4f} "
+            + " ".join(f"{t}:{100 * v:.1f}%" for t, v in oot.items())
+            + f"  {sp}",
+            flush=True,
+        )
         if args.json:  # after every route: a long run keeps what finished
             args.json.write_text(json.dumps(results) + "\n")
 

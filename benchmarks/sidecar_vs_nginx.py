@@ -47,7 +47,7 @@ from tunegate.repository import ModelConfig, TensorSpec, write_config, write_ver
 from tunegate.triton import EmbeddedTriton, TritonOptions, free_port
 
 TOKEN = "benchmark-admin-token-0123456789"
-IDENTITY_PY = '''
+IDENTITY_PY = """
 import json, os, time
 import triton_python_backend_utils as pb_utils
 
@@ -67,8 +67,10 @@ class TritonPythonModel:
             y = (x + self.offset).astype(x.dtype) if self.offset else x
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", y)]))
         return out
-'''
-BODY = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [16], "data": [float(i) for i in range(16)]}]})
+"""
+BODY = json.dumps(
+    {"inputs": [{"name": "x", "datatype": "FP32", "shape": [16], "data": [float(i) for i in range(16)]}]}
+)
 NGINX_CONF = """
 worker_processes 1;
 daemon off;
@@ -107,7 +109,9 @@ http {{
 def build_repository(root: Path) -> Path:
     def model(name: str, versions: dict[int, dict[str, float]]) -> None:
         for v, behaviour in versions.items():
-            write_version(root, name, {"model.py": IDENTITY_PY, "behaviour.json": json.dumps(behaviour)}, version=v)
+            write_version(
+                root, name, {"model.py": IDENTITY_PY, "behaviour.json": json.dumps(behaviour)}, version=v
+            )
         cfg = ModelConfig(name, (TensorSpec("x", "FP32", (16,)),), (TensorSpec("y", "FP32", (16,)),),
                           versions=(min(versions),))  # fmt: skip
         write_config(root, cfg)
@@ -206,7 +210,12 @@ def cpu_seconds(pid: int | None) -> float:
 FAST_SETUPS = ("direct", "nginx", "sidecar", "nginx+mirror", "sidecar+mirror", "sidecar+mirror~")
 SLOW_SETUPS = ("nginx+slow", "sidecar+slow")
 # The sidecar's setups each have their own model (and canary), so all of them run at once.
-SIDECAR_MODELS = {"sidecar": "plain", "sidecar+mirror": "ident", "sidecar+mirror~": "identd", "sidecar+slow": "idents"}
+SIDECAR_MODELS = {
+    "sidecar": "plain",
+    "sidecar+mirror": "ident",
+    "sidecar+mirror~": "identd",
+    "sidecar+slow": "idents",
+}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -219,20 +228,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"{tool} is not on PATH (Debian: apt-get install nginx wrk)")
     work = Path(tempfile.mkdtemp(prefix="bench-sidecar-"))
     lua = work / "post.lua"
-    lua.write_text(f'wrk.method = "POST"\nwrk.body = {json.dumps(BODY)}\nwrk.headers["Content-Type"] = "application/json"\n')
+    lua.write_text(
+        f'wrk.method = "POST"\nwrk.body = {json.dumps(BODY)}\nwrk.headers["Content-Type"] = "application/json"\n'
+    )
     repo = build_repository(work / "repo")
     token = write_token_file(work / "token", TOKEN)
     raw: dict[str, dict[int, list[dict[str, float]]]] = {}
     console = Console(stderr=True)
     models = ("plain", "ident", "identd", "idents", "nginx_cand", "nginx_slow")
     with contextlib.ExitStack() as stack:
-        triton = stack.enter_context(EmbeddedTriton(TritonOptions(repository=repo, models=models), workdir=work / "t"))
+        triton = stack.enter_context(
+            EmbeddedTriton(TritonOptions(repository=repo, models=models), workdir=work / "t")
+        )
         triton_pid = triton.proc.pid if triton.proc is not None else None
-        targets: dict[str, tuple[str, int | None]] = {"direct": (f"{triton.http_url}/v2/models/plain/infer", None)}
-        for name, mirror_model in (("nginx", None), ("nginx+mirror", "nginx_cand"), ("nginx+slow", "nginx_slow")):
+        targets: dict[str, tuple[str, int | None]] = {
+            "direct": (f"{triton.http_url}/v2/models/plain/infer", None)
+        }
+        for name, mirror_model in (
+            ("nginx", None),
+            ("nginx+mirror", "nginx_cand"),
+            ("nginx+slow", "nginx_slow"),
+        ):
             url, pid = stack.enter_context(nginx(work, triton.http_port, mirror_model))
             targets[name] = (f"{url}/v2/models/plain/infer", pid)
-        sc = stack.enter_context(SidecarProcess(upstream=triton.http_url, state_dir=work / "state", repository=repo,
+        sc = stack.enter_context(SidecarProcess(upstream=triton.http_url, upstream_grpc=triton.grpc_address, state_dir=work / "state", repository=repo,
                                                 token_file=token))  # fmt: skip
         sc_pid = sc.proc.pid if sc.proc is not None else None
         for name, model in SIDECAR_MODELS.items():
@@ -246,8 +265,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         unjudged = {"min_samples": 10**9, "deadline_s": 86400.0, "aa_rate": 0.0, "sample_rate": 1.0,
                     "warmup_samples": 10**9}  # fmt: skip
         tol = {"y": {"metric": "linf", "threshold": 1e-6}}
-        admin.start("ident", 2, tol, max_in_flight=64, **unjudged)  # identical outputs: the compare's fast path
-        admin.start("identd", 2, tol, max_in_flight=64, **unjudged)  # within tolerance, not identical: full compares
+        admin.start(
+            "ident", 2, tol, max_in_flight=64, **unjudged
+        )  # identical outputs: the compare's fast path
+        admin.start(
+            "identd", 2, tol, max_in_flight=64, **unjudged
+        )  # within tolerance, not identical: full compares
         admin.start("idents", 2, tol, **unjudged)  # 100 ms slower; the default bound of 8 in flight
         # The first requests to each model (and candidate) take tens of ms (a 1 s run's p99 went from 0.8 to
         # 28 ms): one discarded second per setup first.
@@ -288,7 +311,9 @@ RATIOS = {"passthrough": ("sidecar", "nginx"), "mirrored": ("sidecar+mirror", "n
           "mirrored, full compares": ("sidecar+mirror~", "nginx+mirror")}  # fmt: skip
 
 
-def paired_ratios(raw: dict[str, dict[int, list[dict[str, float]]]]) -> dict[str, dict[int, dict[str, float]]]:
+def paired_ratios(
+    raw: dict[str, dict[int, list[dict[str, float]]]],
+) -> dict[str, dict[int, dict[str, float]]]:
     """Throughput ratios within each round (runs seconds apart): their median, min and max over the rounds."""
     out: dict[str, dict[int, dict[str, float]]] = {}
     for label, (ours, peer) in RATIOS.items():
@@ -312,8 +337,10 @@ def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
 def report(data: dict[str, Any]) -> None:
     res = data["results"]
     conc = list(next(iter(res.values())))
-    t = Table(title="tunegate sidecar vs nginx (identity FP32[16], python backend, wrk POST keep-alive; "
-                    f"medians of {data.get('repeats', 1)} rounds)")
+    t = Table(
+        title="tunegate sidecar vs nginx (identity FP32[16], python backend, wrk POST keep-alive; "
+        f"medians of {data.get('repeats', 1)} rounds)"
+    )
     t.add_column("setup")
     for c in conc:
         t.add_column(f"c={c} req/s", justify="right")
@@ -324,16 +351,24 @@ def report(data: dict[str, Any]) -> None:
             r, d = per[c], res["direct"][c]
             err = f" ({r['errors']:.0f} err)" if r["errors"] else ""
             err += f" ({r['timeouts']:.0f} timeouts)" if r.get("timeouts") else ""
-            row += [f"{r['rps']:.0f}{err}", f"{r['p50_ms'] - d['p50_ms']:+.3f} / {r['p99_ms'] - d['p99_ms']:+.3f}"]
+            row += [
+                f"{r['rps']:.0f}{err}",
+                f"{r['p50_ms'] - d['p50_ms']:+.3f} / {r['p99_ms'] - d['p99_ms']:+.3f}",
+            ]
         t.add_row(*row)
     Console().print(t)
-    cpu = Table(title="CPU per client request, us (proxy: nginx master+worker or the sidecar; triton: server + stubs)")
+    cpu = Table(
+        title="CPU per client request, us (proxy: nginx master+worker or the sidecar; triton: server + stubs)"
+    )
     cpu.add_column("setup")
     for c in conc:
         cpu.add_column(f"c={c} proxy", justify="right")
         cpu.add_column(f"c={c} triton", justify="right")
     for name, per in res.items():
-        cpu.add_row(name, *[f"{per[c].get(k, float('nan')):.0f}" for c in conc for k in ("proxy_cpu_us", "triton_cpu_us")])
+        cpu.add_row(
+            name,
+            *[f"{per[c].get(k, float('nan')):.0f}" for c in conc for k in ("proxy_cpu_us", "triton_cpu_us")],
+        )
     Console().print(cpu)
     lines = []
     rat = data["ratios"]
@@ -350,7 +385,9 @@ def report(data: dict[str, Any]) -> None:
             f"{res['sidecar+slow'][c]['p99_ms']:.2f} ms (vs {res['sidecar+mirror'][c]['p99_ms']:.2f} mirrored, "
             f"{res['sidecar'][c]['p99_ms']:.2f} passthrough), nginx {res['nginx+slow'][c]['p99_ms']:.2f} ms"
         )
-    Console().print(f"Throughput ratios: the median of the {data.get('repeats', 1)} rounds' own ratios (their range)")
+    Console().print(
+        f"Throughput ratios: the median of the {data.get('repeats', 1)} rounds' own ratios (their range)"
+    )
     Console().print("\n".join(lines))
 
 
@@ -358,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
     p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--repeats", type=int, default=3, help="rounds of every setup; figures are medians over them")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="rounds of every setup; figures are medians over them"
+    )
     p.add_argument("--json", action="store_true", help="print the raw results as JSON too")
     args = p.parse_args(argv)
     data = run(args)

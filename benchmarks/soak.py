@@ -9,7 +9,7 @@ its open files, the size and series count of /metrics and the good clients' p99;
 stops, the open files again.
 
     .venv/bin/python benchmarks/soak.py --duration 1800            # the 30-minute soak
-    .venv/bin/python benchmarks/soak.py --duration 60 --every 5    # a short one (tests/test_soak.py runs this)
+    .venv/bin/python benchmarks/soak.py --duration 45 --every 5 --hostile-rate 0   # tests/test_soak.py's short one
 
 Exit code 1 when RSS grows more than --max-rss-growth-mb after the warm-up, /metrics passes 1 MB, or the open
 files do not come back to their baseline; the p99 ratio (mixed against good alone) is printed, not judged:
@@ -87,11 +87,16 @@ def hostile_requests(rng: random.Random, body: bytes) -> bytes:
                 % (rng.randrange(2, 10**6), len(body), body))  # fmt: skip
     if kind == 5:
         bomb = b'{"inputs":[{"name":"x","shape":[1099511627776,4],"datatype":"FP32","data":[1]}]}'
-        return b"POST /v2/models/plain/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(bomb), bomb)
+        return b"POST /v2/models/plain/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
+            len(bomb),
+            bomb,
+        )
     if kind == 6:
         return b"POST /v2/models/plain/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\nab"
     if kind == 7:
-        return b"GET /canary HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong%d\r\n\r\n" % rng.randrange(10**6)
+        return b"GET /canary HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong%d\r\n\r\n" % rng.randrange(
+            10**6
+        )
     return b"POST /v2/repository/models/plain/unload HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
 
 
@@ -99,7 +104,7 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     repo = work / "repo"
     add_model(repo, MODEL, {})
     with EmbeddedTriton(TritonOptions(repository=repo, models=(MODEL,)), workdir=work / "triton") as triton, \
-            SidecarProcess(upstream=triton.http_url, state_dir=work / "state", repository=repo,
+            SidecarProcess(upstream=triton.http_url, upstream_grpc=triton.grpc_address, state_dir=work / "state", repository=repo,
                            token_file=write_token_file(work / "token", TOKEN)) as sc:  # fmt: skip
         assert sc.proc is not None
         pid, port = sc.proc.pid, sc.port
@@ -133,7 +138,7 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     await send(port, good_req[: rng.randrange(5, 60)], read=False)
                 else:  # disconnect before (or while) the answer comes
                     await send(port, good_req, read=False)
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(args.hostile / args.hostile_rate if args.hostile_rate > 0 else 0.002)
 
         samples: list[dict[str, Any]] = []
         t_start = time.monotonic()
@@ -171,7 +176,7 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def verdict(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     s = res["samples"]
-    warm = s[max(1, len(s) // 5):]
+    warm = s[max(1, len(s) // 5) :]
     rss = [r["rss_mb"] for r in warm]
     good = [r["p99_ms"] for r in s if r["phase"] == "good" and r["p99_ms"]]
     mixed = [r["p99_ms"] for r in s if r["phase"] == "mixed" and r["p99_ms"]]
@@ -191,10 +196,18 @@ def verdict(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=1800.0, help="seconds in all (default 1800)")
-    ap.add_argument("--good-share", type=float, default=0.25, help="share of the time with good traffic alone")
+    ap.add_argument(
+        "--good-share", type=float, default=0.25, help="share of the time with good traffic alone"
+    )
     ap.add_argument("--every", type=float, default=30.0, help="seconds between samples (default 30)")
     ap.add_argument("--clients", type=int, default=4, help="good clients (default 4)")
     ap.add_argument("--hostile", type=int, default=4, help="hostile and disconnecting clients (default 4)")
+    ap.add_argument(
+        "--hostile-rate",
+        type=float,
+        default=100.0,
+        help="hostile requests per second, all clients together (default 100; 0: as fast as they go)",
+    )
     ap.add_argument("--max-rss-growth-mb", type=float, default=20.0)
     ap.add_argument("--json", metavar="PATH", help="also write every sample and the verdict as JSON")
     args = ap.parse_args(argv)

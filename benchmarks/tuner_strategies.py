@@ -37,18 +37,29 @@ DEFAULT_ROUTES = (
 
 
 def _shape_stats(per_shape: dict[str, Any] | None) -> dict[str, Any]:
-    return {k: {"p50_ms": round(v["p50_ms"], 3), "p95_ms": round(v["p95_ms"], 3)} for k, v in (per_shape or {}).items()}
+    return {
+        k: {"p50_ms": round(v["p50_ms"], 3), "p95_ms": round(v["p95_ms"], 3)}
+        for k, v in (per_shape or {}).items()
+    }
 
 
-def run(spec_path: Path, strategies: list[str], routes: str | None, repeats: int | None, budget_s: float,
-        e2e: bool) -> dict[str, Any]:
+def run(
+    spec_path: Path,
+    strategies: list[str],
+    routes: str | None,
+    repeats: int | None,
+    budget_s: float,
+    e2e: bool,
+) -> dict[str, Any]:
     base = load_spec(spec_path)
     bench = dataclasses.replace(base.bench, e2e=e2e, **({"repeats": repeats} if repeats else {}))
     out: dict[str, Any] = {"spec": str(spec_path), "routes": routes or base.search.routes, "strategies": {}}
     with tempfile.TemporaryDirectory(prefix="tuner-bench-") as tmp:
         for strategy in strategies:
             spec = dataclasses.replace(
-                base, bench=bench, workdir=Path(tmp) / strategy,
+                base,
+                bench=bench,
+                workdir=Path(tmp) / strategy,
                 search=dataclasses.replace(base.search, routes=routes or base.search.routes),
             )
             t0 = time.perf_counter()
@@ -66,7 +77,9 @@ def run(spec_path: Path, strategies: list[str], routes: str | None, repeats: int
                 "speedup_vs_default": w.speedup if w else None,
                 "winner_latency": _shape_stats(w.latency if w else None),
                 "default_latency": _shape_stats(res.baseline["latency"]),
-                "winner_accuracy": {k: v["value"] for k, v in ((w.accuracy or {}).get("outputs", {}) if w else {}).items()},
+                "winner_accuracy": {
+                    k: v["value"] for k, v in ((w.accuracy or {}).get("outputs", {}) if w else {}).items()
+                },
                 "rejected": [r.route for r in res.routes if r.status == "rejected"],
                 "reason": res.reason,
             }
@@ -81,7 +94,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", type=Path, default=ROOT / "specs" / "minilm.toml")
     p.add_argument("--strategies", nargs="+", default=["fast", "mixed", "halving", "full"])
-    p.add_argument("--routes", default=None, help=f"route expression (default for MiniLM: {DEFAULT_ROUTES!r})")
+    p.add_argument(
+        "--routes", default=None, help=f"route expression (default for MiniLM: {DEFAULT_ROUTES!r})"
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed runs per shape (default: the spec's)")
     p.add_argument("--budget-s", type=float, default=3600.0)
     p.add_argument("--e2e", action="store_true", help="also serve finalists through the embedded Triton")
@@ -96,11 +111,15 @@ def main() -> int:
     print(f"{'strategy':9} {'routes':>6} {'wall s':>7} {'build s':>7} {'speedup':>8} {'vs full':>8}  winner")
     for name, s in result["strategies"].items():
         spd = f"{s['speedup_vs_default']:.2f}x" if s["speedup_vs_default"] else "-"
-        print(f"{name:9} {s['routes_benchmarked']:>6} {s['wall_s']:>7} {s['build_s']:>7} {spd:>8} "
-              f"{s['objective_vs_full'] or '-':>8}  {s['winner'] or s['reason']}")
+        print(
+            f"{name:9} {s['routes_benchmarked']:>6} {s['wall_s']:>7} {s['build_s']:>7} {spd:>8} "
+            f"{s['objective_vs_full'] or '-':>8}  {s['winner'] or s['reason']}"
+        )
     for name, s in result["strategies"].items():
         if s["winner"]:
-            print(f"{name}: default {s['default_latency']} -> winner {s['winner_latency']}, accuracy {s['winner_accuracy']}")
+            print(
+                f"{name}: default {s['default_latency']} -> winner {s['winner_latency']}, accuracy {s['winner_accuracy']}"
+            )
     return 0
 
 

@@ -8,8 +8,13 @@ import urllib.request
 from typing import Any
 
 
-def http(method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None,
-         timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+def http(
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30,
+) -> tuple[int, dict[str, str], bytes]:
     req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_demo(scenario: str, run_dir: Path) -> dict:  # type: ignore[type-arg]
     proc = subprocess.run(
-        [sys.executable, "-m", "tunegate.cli", "demo", "--scenario", scenario, "--run-dir", str(run_dir), "--json"],
+        [sys.executable, "-m", "tunegate.app.cli", "demo", "--scenario", scenario, "--run-dir", str(run_dir), "--json"],
         capture_output=True, text=True, timeout=840, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,8 +30,14 @@ def strict_gate() -> dict:  # type: ignore[type-arg]
 
 def check_tuned_on_the_sidecars_capture(s: dict, run: Path) -> dict:  # type: ignore[type-arg]
     """The tuner's gate judged the requests the sidecar captured (not the traffic file Locust replayed)."""
-    release = json.loads((run / "model_repository" / "minilm" / str(s["candidate"]) / "release.json").read_text())
-    assert release["spec"]["inputs"] == {"source": "capture", "capture": str(run / "capture"), "max_length": 128}
+    release = json.loads(
+        (run / "model_repository" / "minilm" / str(s["candidate"]) / "release.json").read_text()
+    )
+    assert release["spec"]["inputs"] == {
+        "source": "capture",
+        "capture": str(run / "capture"),
+        "max_length": 128,
+    }
     written = sorted(p.name for p in (run / "capture").iterdir())
     assert written and all(n.startswith("capture-") and n.endswith("-0001.jsonl") for n in written), written
     g = release["gate"]
@@ -41,7 +47,9 @@ def check_tuned_on_the_sidecars_capture(s: dict, run: Path) -> dict:  # type: ig
     return release  # type: ignore[no-any-return]
 
 
-def test_good_scenario_promotes_a_faster_route_within_tolerance(tmp_path: Path, minilm_onnx_path: Path) -> None:
+def test_good_scenario_promotes_a_faster_route_within_tolerance(
+    tmp_path: Path, minilm_onnx_path: Path
+) -> None:
     run = tmp_path / "run"
     s = run_demo("good", run)
     budget = strict_gate()["oot_budget"]
@@ -55,7 +63,9 @@ def test_good_scenario_promotes_a_faster_route_within_tolerance(tmp_path: Path, 
     assert s["load"]["failures"] == 0 and s["load"]["requests"] > 0
     ev = s["evidence"]
     assert ev["compared"] >= 300 and ev["oot_budget"] == budget
-    assert ev["out_of_tolerance"] / ev["compared"] < budget / 2  # live, as in the gate: well within the budget
+    assert (
+        ev["out_of_tolerance"] / ev["compared"] < budget / 2
+    )  # live, as in the gate: well within the budget
     check_tuned_on_the_sidecars_capture(s, run)
     # the promotion is on disk: Triton restarted from this repository serves the candidate
     cfg = (run / "model_repository" / "minilm" / "config.pbtxt").read_text()
@@ -64,7 +74,9 @@ def test_good_scenario_promotes_a_faster_route_within_tolerance(tmp_path: Path, 
     assert [r["outcome"] for r in recs] == ["promote"]
     side = recs[0]["gate_vs_canary"]  # the gate's figures and the canary's, side by side in the record
     assert (side["gate"]["n"], side["gate"]["k"]) == (s["gate"]["n"], s["gate"]["k"]), side
-    assert side["canary"]["n"] == ev["compared"] and side["canary"]["budget"] == side["gate"]["budget"] == budget
+    assert (
+        side["canary"]["n"] == ev["compared"] and side["canary"]["budget"] == side["gate"]["budget"] == budget
+    )
     report = Path(s["canary_report"]).read_text()
     assert len(report) > 10_000 and "Gate vs canary" in report and Path(s["tune_report"]).exists()
     assert "Candidate against baseline" in report and "capacity" in report

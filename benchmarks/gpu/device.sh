@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Entry point on the lent H200: install the carried pytriton wheel, record the environment, run the tuning.
+# Entry point on the GPU host (an H200 without internet access): install the carried pytriton wheel, record the environment, run the tuning.
 #   bash benchmarks/gpu/device.sh --models bert_base --budget-s 420 [--canary]   (carry: benchmarks/gpu/wheels)
-# benchmarks/gpu/prepare.sh fills benchmarks/gpu/wheels/ beforehand, on the development machine.
+# benchmarks/gpu/prepare.sh fills benchmarks/gpu/wheels/ beforehand, on a machine with the package registries.
 set -uo pipefail
 OUT=${OUT:-benchmarks/gpu/out}
 mkdir -p "$OUT"

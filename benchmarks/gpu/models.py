@@ -24,19 +24,28 @@ SEED = 0
 
 @dataclasses.dataclass(frozen=True)
 class Interface:
-    inputs: tuple[tuple[str, str, tuple[int | str, ...]], ...]  # (name, torch dtype name, dims; str = symbolic)
+    inputs: tuple[
+        tuple[str, str, tuple[int | str, ...]], ...
+    ]  # (name, torch dtype name, dims; str = symbolic)
     outputs: tuple[tuple[str, tuple[int | str, ...]], ...]
 
 
 BERT_IO = Interface(
-    inputs=(("input_ids", "int64", ("batch", "sequence")), ("attention_mask", "int64", ("batch", "sequence"))),
+    inputs=(
+        ("input_ids", "int64", ("batch", "sequence")),
+        ("attention_mask", "int64", ("batch", "sequence")),
+    ),
     outputs=(("last_hidden_state", ("batch", "sequence", "hidden")), ("pooler_output", ("batch", "hidden"))),
 )
 INTERFACES = {
-    "tiny": Interface(inputs=(("x", "float32", ("batch", 16)),), outputs=(("y", ("batch", 8)), ("score", ("batch", 1)))),
+    "tiny": Interface(
+        inputs=(("x", "float32", ("batch", 16)),), outputs=(("y", ("batch", 8)), ("score", ("batch", 1)))
+    ),
     "tiny_bert": BERT_IO,
     "bert_base": BERT_IO,
-    "resnet50": Interface(inputs=(("pixel_values", "float32", ("batch", 3, 224, 224)),), outputs=(("pooled", ("batch", 2048)),)),
+    "resnet50": Interface(
+        inputs=(("pixel_values", "float32", ("batch", 3, 224, 224)),), outputs=(("pooled", ("batch", 2048)),)
+    ),
 }
 
 
@@ -68,7 +77,9 @@ def _bert(**config: Any) -> Any:
             torch.manual_seed(SEED)
             self.bert = BertModel(BertConfig(**config), add_pooling_layer=True)
 
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def forward(
+            self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             out = self.bert(input_ids=input_ids, attention_mask=attention_mask)
             return out.last_hidden_state, out.pooler_output
 
@@ -76,7 +87,9 @@ def _bert(**config: Any) -> Any:
 
 
 def tiny_bert() -> Any:
-    return _bert(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=1000)
+    return _bert(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=1000
+    )
 
 
 def bert_base() -> Any:
@@ -123,9 +136,15 @@ def export_onnx(name: str, dest: Path, opset: int = 17) -> Path:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             torch.onnx.export(
-                model, tuple(examples), tmp, input_names=[n for n, _, _ in io.inputs],
-                output_names=[n for n, _ in io.outputs], dynamic_axes=axes, opset_version=opset,
-                do_constant_folding=True, dynamo=False,
+                model,
+                tuple(examples),
+                tmp,
+                input_names=[n for n, _, _ in io.inputs],
+                output_names=[n for n, _ in io.outputs],
+                dynamic_axes=axes,
+                opset_version=opset,
+                do_constant_folding=True,
+                dynamo=False,
             )
         os.replace(tmp, dest)
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import http.client
+import importlib.util
 import json
 import logging
 import os
@@ -50,23 +51,44 @@ LOG = logging.getLogger("gpu-run")
 BASELINE = "-dtype=fp32"
 ROUTES = {
     "default": [
-        "-dtype=tf32", "-dtype=bf16", "-dtype=fp16", "-dtype=bf16 -cudagraphs=on", "-dtype=fp16 -cudagraphs=on",
-        "-dtype=fp16 -cudagraphs=on -epilogue=off", "-dtype=fp16 -cudagraphs=on -coord=on",
+        "-dtype=tf32",
+        "-dtype=bf16",
+        "-dtype=fp16",
+        "-dtype=bf16 -cudagraphs=on",
+        "-dtype=fp16 -cudagraphs=on",
+        "-dtype=fp16 -cudagraphs=on -epilogue=off",
+        "-dtype=fp16 -cudagraphs=on -coord=on",
         "-dtype=fp16 -cudagraphs=on -freezing=on",
     ],
     # GEMM autotuning times kernels on the GPU: these build one at a time, after the others.
     "autotune": ["-dtype=fp16 -mode=max-autotune-no-cudagraphs", "-dtype=fp16 -mode=max-autotune"],
 }
 TOLERANCE = {  # fixed before any result: worst sample's cosine against the fp32 ONNX Runtime reference
-    "bert": {"last_hidden_state": {"metric": "cosine", "threshold": 0.999}, "pooler_output": {"metric": "cosine", "threshold": 0.999}},
+    "bert": {
+        "last_hidden_state": {"metric": "cosine", "threshold": 0.999},
+        "pooler_output": {"metric": "cosine", "threshold": 0.999},
+    },
     "tiny": {"*": {"metric": "cosine", "threshold": 0.999}},
     "resnet": {"pooled": {"metric": "cosine", "threshold": 0.999}},
 }
 DTYPES = {"int64": ("INT64", np.int64), "float32": ("FP32", np.float32)}
 
 
+def grpc_client() -> bool:
+    """Whether tritonclient's gRPC client imports here: then the sidecar loads models over Triton's gRPC API
+    (an image without grpcio gets HTTP loads, which hold the HTTP clients of the load's server thread)."""
+    try:
+        return (
+            importlib.util.find_spec("grpc") is not None
+            and importlib.util.find_spec("tritonclient.grpc") is not None
+        )
+    except ModuleNotFoundError:
+        return False
+
+
 def make_inputs(name: str, rng: np.random.Generator) -> InputSet:
     """Gate batches (distribution + edge cases) and bench shapes; BERT ids over the whole vocabulary, padded tails."""
+
     def bert(batch: int, seq: int) -> dict[str, np.ndarray]:
         ids = rng.integers(0, 30522 if name == "bert_base" else 1000, (batch, seq)).astype(np.int64)
         lengths = rng.integers(max(1, seq // 4), seq + 1, batch)
@@ -85,7 +107,10 @@ def make_inputs(name: str, rng: np.random.Generator) -> InputSet:
         gate += [Batch("edge:smallest", bert(1, 8)), Batch("edge:largest", bert(16, 256))]
         bench = [BenchShape("b1xs128", 1, 1.0, bert(1, 128)), BenchShape("b8xs128", 8, 1.0, bert(8, 128))]
     else:
-        gate = [Batch(f"dist-{i}", image(8)) for i in range(4)] + [Batch("edge:smallest", image(1)), Batch("edge:largest", image(32))]
+        gate = [Batch(f"dist-{i}", image(8)) for i in range(4)] + [
+            Batch("edge:smallest", image(1)),
+            Batch("edge:largest", image(32)),
+        ]
         bench = [BenchShape("b1", 1, 1.0, image(1)), BenchShape("b16", 16, 1.0, image(16))]
     return InputSet(tuple(gate), tuple(bench), "gpu-run-seed0")
 
@@ -96,9 +121,13 @@ def encode(feeds: dict[str, np.ndarray], outputs: list[str]) -> tuple[bytes, int
     for n, a in feeds.items():
         dt = DTYPES[str(a.dtype)][0]
         blob = np.ascontiguousarray(a).tobytes()
-        entries.append({"name": n, "datatype": dt, "shape": list(a.shape), "parameters": {"binary_data_size": len(blob)}})
+        entries.append(
+            {"name": n, "datatype": dt, "shape": list(a.shape), "parameters": {"binary_data_size": len(blob)}}
+        )
         blobs.append(blob)
-    head = json.dumps({"inputs": entries, "outputs": [{"name": o, "parameters": {"binary_data": True}} for o in outputs]}).encode()
+    head = json.dumps(
+        {"inputs": entries, "outputs": [{"name": o, "parameters": {"binary_data": True}} for o in outputs]}
+    ).encode()
     return head + b"".join(blobs), len(head)
 
 
@@ -120,11 +149,17 @@ class Client:
     def __init__(self, port: int) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
 
-    def infer(self, model: str, version: int | None, feeds: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+    def infer(
+        self, model: str, version: int | None, feeds: dict[str, np.ndarray], outputs: list[str]
+    ) -> dict[str, np.ndarray]:
         body, hl = encode(feeds, outputs)
         path = f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "") + "/infer"
-        self.conn.request("POST", path, body,
-                          {"Inference-Header-Content-Length": str(hl), "Content-Type": "application/octet-stream"})
+        self.conn.request(
+            "POST",
+            path,
+            body,
+            {"Inference-Header-Content-Length": str(hl), "Content-Type": "application/octet-stream"},
+        )
         resp = self.conn.getresponse()
         data = resp.read()
         if resp.status != 200:
@@ -135,8 +170,10 @@ class Client:
         try:
             return decode(data, int(header) if header is not None else None)
         except (ValueError, KeyError) as exc:
-            raise RuntimeError(f"infer {model}/{version}: unreadable response ({exc}); headers "
-                               f"{dict(resp.headers)}; body starts {data[:300]!r}") from exc
+            raise RuntimeError(
+                f"infer {model}/{version}: unreadable response ({exc}); headers "
+                f"{dict(resp.headers)}; body starts {data[:300]!r}"
+            ) from exc
 
     def close(self) -> None:
         self.conn.close()
@@ -156,8 +193,17 @@ class RouteRun:
     artifact: str | None = None
 
 
-def build_routes(builder: InductorBuilder, source: Path, routes: list[str], work: Path, options: dict[str, Any],
-                 deadline: float, parallel: int, timeout_s: float, autotune_parallel: bool = False) -> dict[str, RouteRun]:
+def build_routes(
+    builder: InductorBuilder,
+    source: Path,
+    routes: list[str],
+    work: Path,
+    options: dict[str, Any],
+    deadline: float,
+    parallel: int,
+    timeout_s: float,
+    autotune_parallel: bool = False,
+) -> dict[str, RouteRun]:
     runs = {r: RouteRun(r) for r in routes}
 
     def one(route: str) -> None:
@@ -172,9 +218,20 @@ def build_routes(builder: InductorBuilder, source: Path, routes: list[str], work
             run.status, run.error = "skipped", "the time budget was spent before this build"
             return
         try:
-            art, secs = run_build("inductor", source, knobs, work / f"r{routes.index(route)}", BuildContext(options),
-                                  timeout_s=min(timeout_s, left))
-            run.status, run.build_s, run.meta, run.artifact = "built", secs, dict(art.meta), str(art.directory)
+            art, secs = run_build(
+                "inductor",
+                source,
+                knobs,
+                work / f"r{routes.index(route)}",
+                BuildContext(options),
+                timeout_s=min(timeout_s, left),
+            )
+            run.status, run.build_s, run.meta, run.artifact = (
+                "built",
+                secs,
+                dict(art.meta),
+                str(art.directory),
+            )
         except BuildError as exc:
             run.status, run.error = "failed", str(exc)[-1500:]
         LOG.info("built %s: %s %.0fs %s", route, run.status, run.build_s or 0, run.error or "")
@@ -187,8 +244,14 @@ def build_routes(builder: InductorBuilder, source: Path, routes: list[str], work
     return runs
 
 
-def evaluate(builder: InductorBuilder, run: RouteRun, inputs: InputSet, reference: list[dict[str, np.ndarray]],
-             tolerance: ToleranceSpec, repeats: int) -> None:
+def evaluate(
+    builder: InductorBuilder,
+    run: RouteRun,
+    inputs: InputSet,
+    reference: list[dict[str, np.ndarray]],
+    tolerance: ToleranceSpec,
+    repeats: int,
+) -> None:
     import torch
 
     try:
@@ -241,19 +304,46 @@ def write_versions(name: str, repo: Path, base: RouteRun, winner: RouteRun, buil
     io = INTERFACES[name]
     for version, run in ((1, base), (2, winner)):
         art = Artifact.load(Path(str(run.artifact)))
-        write_version(repo, name, builder.version_files(art), version=version,
-                      release={"route": run.route, "build_seconds": run.build_s, "latency": run.latency,
-                               "accuracy": run.accuracy, "baseline_version": 1})
+        write_version(
+            repo,
+            name,
+            builder.version_files(art),
+            version=version,
+            release={
+                "route": run.route,
+                "build_seconds": run.build_s,
+                "latency": run.latency,
+                "accuracy": run.accuracy,
+                "baseline_version": 1,
+            },
+        )
     config = ModelConfig(
-        name, tuple(TensorSpec(n, DTYPES[dt][0], tuple(-1 if isinstance(d, str) else d for d in dims)) for n, dt, dims in io.inputs),
-        tuple(TensorSpec(n, "FP32", tuple(-1 if isinstance(d, str) else d for d in dims)) for n, dims in io.outputs),
-        form="python-onnx", versions=(1, 2),
+        name,
+        tuple(
+            TensorSpec(n, DTYPES[dt][0], tuple(-1 if isinstance(d, str) else d for d in dims))
+            for n, dt, dims in io.inputs
+        ),
+        tuple(
+            TensorSpec(n, "FP32", tuple(-1 if isinstance(d, str) else d for d in dims))
+            for n, dims in io.outputs
+        ),
+        form="python-onnx",
+        versions=(1, 2),
     )
     write_config(repo, config)
 
 
-def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: InductorBuilder, inputs: InputSet,
-          tolerance: ToleranceSpec, requests: int, concurrency: int) -> dict[str, Any]:
+def serve(
+    name: str,
+    repo: Path,
+    base: RouteRun,
+    winner: RouteRun,
+    builder: InductorBuilder,
+    inputs: InputSet,
+    tolerance: ToleranceSpec,
+    requests: int,
+    concurrency: int,
+) -> dict[str, Any]:
     """Write versions 1 (baseline) and 2 (winner), serve both from Triton, check outputs, drive paired load."""
     from tunegate.triton import EmbeddedTriton, TritonOptions
 
@@ -261,7 +351,10 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
     write_versions(name, repo, base, winner, builder)
     outputs = [n for n, _ in io.outputs]
     locate_triton()
-    result: dict[str, Any] = {"through": "Triton directly, versions addressed explicitly", "versions": {"1": base.route, "2": winner.route}}
+    result: dict[str, Any] = {
+        "through": "Triton directly, versions addressed explicitly",
+        "versions": {"1": base.route, "2": winner.route},
+    }
     t0 = time.perf_counter()
     with EmbeddedTriton(TritonOptions(repository=repo, models=(name,), startup_timeout_s=300)) as server:
         result["load_s"] = time.perf_counter() - t0
@@ -277,8 +370,14 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
                 times: dict[int, list[float]] = {1: [], 2: []}
                 lock = threading.Lock()
 
-                def drive(version: int, n: int, conc: int = conc, shape: BenchShape = shape,
-                          times: dict[int, list[float]] = times, lock: threading.Lock = lock) -> None:
+                def drive(
+                    version: int,
+                    n: int,
+                    conc: int = conc,
+                    shape: BenchShape = shape,
+                    times: dict[int, list[float]] = times,
+                    lock: threading.Lock = lock,
+                ) -> None:
                     def worker(k: int) -> None:
                         c = Client(server.http_port)
                         try:
@@ -289,6 +388,7 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
                                     times[version].append(time.perf_counter() - t)
                         finally:
                             c.close()
+
                     with ThreadPoolExecutor(conc) as pool:
                         list(pool.map(worker, [max(1, n // conc)] * conc))
 
@@ -307,14 +407,25 @@ def serve(name: str, repo: Path, base: RouteRun, winner: RouteRun, builder: Indu
                     "candidate": stats(times[2], bootstrap=1000, rows=shape.batch),
                     "wall_s": wall,
                 }
-                per[f"c{conc}"]["speedup_p50"] = per[f"c{conc}"]["baseline"]["p50_ms"] / per[f"c{conc}"]["candidate"]["p50_ms"]
+                per[f"c{conc}"]["speedup_p50"] = (
+                    per[f"c{conc}"]["baseline"]["p50_ms"] / per[f"c{conc}"]["candidate"]["p50_ms"]
+                )
             result[shape.key] = per
     return result
 
 
-def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, concurrency: int, work: Path,
-           out: Path, pairing: str = "shadow", before_s: float = 15.0,
-           params: dict[str, Any] | None = None) -> dict[str, Any]:
+def canary(
+    name: str,
+    repo: Path,
+    inputs: InputSet,
+    tolerance: ToleranceSpec,
+    concurrency: int,
+    work: Path,
+    out: Path,
+    pairing: str = "shadow",
+    before_s: float = 15.0,
+    params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The sidecar canary under load, default canary parameters: Triton serves version 1, the sidecar mirrors to
     2 and decides. The same load runs `before_s` through the sidecar without a canary first: the clients'
     latency with the baseline alone, against which the canary's cost to clients is read.
@@ -330,7 +441,9 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
 
     locate_triton()
     config = repo / name / "config.pbtxt"
-    atomic_write_text(config, set_version_policy(config.read_text(), [1]))  # 2 is served by the sidecar's shadow
+    atomic_write_text(
+        config, set_version_policy(config.read_text(), [1])
+    )  # 2 is served by the sidecar's shadow
     outputs = [n for n, _ in INTERFACES[name].outputs]
     shape = max(inputs.bench, key=lambda b: b.batch)
     token = secrets.token_hex(16)
@@ -339,9 +452,17 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
     errors: list[str] = []
     stop = threading.Event()
     lock = threading.Lock()
-    with EmbeddedTriton(TritonOptions(repository=repo, models=(name,), startup_timeout_s=300)) as server, \
-            SidecarProcess(upstream=server.http_url, state_dir=work / "sidecar", repository=repo,
-                           token_file=token_file, log_path=out / f"{name}-sidecar.log") as sidecar:
+    with (
+        EmbeddedTriton(TritonOptions(repository=repo, models=(name,), startup_timeout_s=300)) as server,
+        SidecarProcess(
+            upstream=server.http_url,
+            upstream_grpc=server.grpc_address if grpc_client() else None,
+            state_dir=work / "sidecar",
+            repository=repo,
+            token_file=token_file,
+            log_path=out / f"{name}-sidecar.log",
+        ) as sidecar,
+    ):
         admin = AdminClient(sidecar.url, token)
         deadline_s = CanaryParams().deadline_s  # the sidecar's default, which this canary runs with
 
@@ -382,18 +503,40 @@ def canary(name: str, repo: Path, inputs: InputSet, tolerance: ToleranceSpec, co
         decisions = admin.decisions(name)
     return {
         "through": "tunegate sidecar (KServe v2 proxy) in front of the embedded Triton",
-        "shape": shape.key, "concurrency": concurrency, "wall_s": time.perf_counter() - t0,
+        "shape": shape.key,
+        "concurrency": concurrency,
+        "wall_s": time.perf_counter() - t0,
         "client_latency": stats(client_times, bootstrap=1000, rows=shape.batch) if client_times else None,
-        "client_latency_baseline_alone": stats(alone[len(alone) // 5:], bootstrap=1000, rows=shape.batch) if alone else None,
-        "client_errors": len(errors), "first_errors": errors[:3], "load_started_at": t0_wall, "latency_pairing": pairing,
-        "state": status.get("state"), "status": status, "decisions": decisions,
+        "client_latency_baseline_alone": stats(alone[len(alone) // 5 :], bootstrap=1000, rows=shape.batch)
+        if alone
+        else None,
+        "client_errors": len(errors),
+        "first_errors": errors[:3],
+        "load_started_at": t0_wall,
+        "latency_pairing": pairing,
+        "state": status.get("state"),
+        "status": status,
+        "decisions": decisions,
     }
 
 
-def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, repeats: int, requests: int,
-              device: str = "cuda", routes: list[str] | None = None, min_speedup: float = 1.05,
-              autotune_parallel: bool = False, do_canary: bool = False, do_serve: bool = True,
-              pairing: str = "shadow", canary_params: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_model(
+    name: str,
+    out: Path,
+    work: Path,
+    budget_s: float,
+    parallel: int,
+    repeats: int,
+    requests: int,
+    device: str = "cuda",
+    routes: list[str] | None = None,
+    min_speedup: float = 1.05,
+    autotune_parallel: bool = False,
+    do_canary: bool = False,
+    do_serve: bool = True,
+    pairing: str = "shadow",
+    canary_params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     t_model = time.monotonic()
     builder = InductorBuilder()
     model_work = work / name
@@ -403,10 +546,14 @@ def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, 
     source = export_onnx(name, model_work / "source.onnx")
     export_s = time.perf_counter() - t0
     inputs = make_inputs(name, np.random.default_rng(0))
-    tolerance = ToleranceSpec.from_dict(TOLERANCE["bert" if "bert" in name else name if name == "tiny" else "resnet"])
+    tolerance = ToleranceSpec.from_dict(
+        TOLERANCE["bert" if "bert" in name else name if name == "tiny" else "resnet"]
+    )
     t0 = time.perf_counter()
-    ref_runtime = {"session": {"graph_optimization_level": "disable", "intra_op_num_threads": os.cpu_count() or 1},
-                   "config_entries": {}}
+    ref_runtime = {
+        "session": {"graph_optimization_level": "disable", "intra_op_num_threads": os.cpu_count() or 1},
+        "config_entries": {},
+    }
     reference = run_all(ort_runner(source, ref_runtime), inputs)
     ref_s = time.perf_counter() - t0
     routes = routes or [BASELINE, *ROUTES["default"], *ROUTES["autotune"]]
@@ -414,21 +561,45 @@ def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, 
     options = {"torch_model": f"benchmarks.gpu.models:{name}", "device": device}
     t_search = time.monotonic()
     deadline = t_model + budget_s
-    runs = build_routes(builder, source, routes, model_work / "builds", options, deadline, parallel, timeout_s=300,
-                        autotune_parallel=autotune_parallel)
+    runs = build_routes(
+        builder,
+        source,
+        routes,
+        model_work / "builds",
+        options,
+        deadline,
+        parallel,
+        timeout_s=300,
+        autotune_parallel=autotune_parallel,
+    )
     for r in routes:
         if runs[r].status == "built":
             evaluate(builder, runs[r], inputs, reference, tolerance, repeats)
     search_s = time.monotonic() - t_search
     base = runs[routes[0]]
-    passing = sorted((r for r in runs.values() if r.status == "passed" and r.route != base.route), key=lambda r: r.objective_ms or 1e9)
-    winner = passing[0] if passing and base.objective_ms and passing[0].objective_ms < base.objective_ms / min_speedup else None
+    passing = sorted(
+        (r for r in runs.values() if r.status == "passed" and r.route != base.route),
+        key=lambda r: r.objective_ms or 1e9,
+    )
+    winner = (
+        passing[0]
+        if passing and base.objective_ms and passing[0].objective_ms < base.objective_ms / min_speedup
+        else None
+    )
     result: dict[str, Any] = {
-        "model": name, "versions": InductorBuilder().tool_versions(), "export_onnx_s": export_s, "reference_s": ref_s,
-        "reference": "onnxruntime fp32 CPU, graph optimizations disabled", "tolerance": tolerance.to_dict(),
-        "search_wall_s": search_s, "build_seconds_total": sum(r.build_s or 0 for r in runs.values()),
-        "baseline_route": base.route, "winner": winner.route if winner else None,
-        "speedup_in_process": (base.objective_ms / winner.objective_ms) if winner and base.objective_ms else None,
+        "model": name,
+        "versions": InductorBuilder().tool_versions(),
+        "export_onnx_s": export_s,
+        "reference_s": ref_s,
+        "reference": "onnxruntime fp32 CPU, graph optimizations disabled",
+        "tolerance": tolerance.to_dict(),
+        "search_wall_s": search_s,
+        "build_seconds_total": sum(r.build_s or 0 for r in runs.values()),
+        "baseline_route": base.route,
+        "winner": winner.route if winner else None,
+        "speedup_in_process": (base.objective_ms / winner.objective_ms)
+        if winner and base.objective_ms
+        else None,
         "routes": [dataclasses.asdict(r) for r in runs.values()],
     }
     atomic_write_json(out / f"{name}.json", result)
@@ -444,8 +615,17 @@ def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, 
             write_versions(name, model_work / "repo", base, winner, builder)
         if do_canary:
             try:
-                result["canary"] = canary(name, model_work / "repo", inputs, tolerance, 4, model_work, out, pairing=pairing,
-                                          params=canary_params)
+                result["canary"] = canary(
+                    name,
+                    model_work / "repo",
+                    inputs,
+                    tolerance,
+                    4,
+                    model_work,
+                    out,
+                    pairing=pairing,
+                    params=canary_params,
+                )
             except Exception as exc:
                 LOG.exception("the canary failed")
                 result["canary"] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
@@ -457,49 +637,73 @@ def run_model(name: str, out: Path, work: Path, budget_s: float, parallel: int, 
 def table(results: list[dict[str, Any]]) -> str:
     lines = []
     for res in results:
-        lines.append(f"== {res['model']}  ({res['versions'].get('gpu', '?')}, torch {res['versions'].get('torch')})")
-        lines.append(f"search wall {res['search_wall_s']:.0f}s, builds {res['build_seconds_total']:.0f}s summed; "
-                     f"baseline {res['baseline_route']}; winner {res['winner']}")
-        lines.append(f"{'route':72} {'status':8} {'build_s':>7} {'obj_ms':>8}  per-shape p50/p95 ms; worst cosine")
+        lines.append(
+            f"== {res['model']}  ({res['versions'].get('gpu', '?')}, torch {res['versions'].get('torch')})"
+        )
+        lines.append(
+            f"search wall {res['search_wall_s']:.0f}s, builds {res['build_seconds_total']:.0f}s summed; "
+            f"baseline {res['baseline_route']}; winner {res['winner']}"
+        )
+        lines.append(
+            f"{'route':72} {'status':8} {'build_s':>7} {'obj_ms':>8}  per-shape p50/p95 ms; worst cosine"
+        )
         for r in res["routes"]:
-            lat = " ".join(f"{k}:{v['p50_ms']:.3f}/{v['p95_ms']:.3f}" for k, v in (r["latency"] or {}).items())
-            acc = " ".join(f"{k}:{v['value']:.6f}" for k, v in ((r["accuracy"] or {}).get("outputs") or {}).items())
+            lat = " ".join(
+                f"{k}:{v['p50_ms']:.3f}/{v['p95_ms']:.3f}" for k, v in (r["latency"] or {}).items()
+            )
+            acc = " ".join(
+                f"{k}:{v['value']:.6f}" for k, v in ((r["accuracy"] or {}).get("outputs") or {}).items()
+            )
             obj = f"{r['objective_ms']:.3f}" if r["objective_ms"] else "-"
-            lines.append(f"{r['route']:72} {r['status']:8} {r['build_s'] or 0:7.1f} {obj:>8}  {lat}  {acc}"
-                         + (f"  [{(r['error'] or '')[:160]}]" if r["error"] else ""))
+            lines.append(
+                f"{r['route']:72} {r['status']:8} {r['build_s'] or 0:7.1f} {obj:>8}  {lat}  {acc}"
+                + (f"  [{(r['error'] or '')[:160]}]" if r["error"] else "")
+            )
         tri = res.get("triton")
         if tri and "error" not in tri:
-            lines.append(f"Triton (direct): served==in-process v1 {tri['v1_served_matches_in_process']} v2 {tri['v2_served_matches_in_process']}")
+            lines.append(
+                f"Triton (direct): served==in-process v1 {tri['v1_served_matches_in_process']} v2 {tri['v2_served_matches_in_process']}"
+            )
             for key, per in tri.items():
                 if isinstance(per, dict) and "c1" in per:
                     for c, d in per.items():
-                        lines.append(f"  {key} {c}: baseline p50 {d['baseline']['p50_ms']:.3f} p95 {d['baseline']['p95_ms']:.3f} | "
-                                     f"winner p50 {d['candidate']['p50_ms']:.3f} p95 {d['candidate']['p95_ms']:.3f} ms | "
-                                     f"x{d['speedup_p50']:.2f} (n={d['candidate']['n']})")
+                        lines.append(
+                            f"  {key} {c}: baseline p50 {d['baseline']['p50_ms']:.3f} p95 {d['baseline']['p95_ms']:.3f} | "
+                            f"winner p50 {d['candidate']['p50_ms']:.3f} p95 {d['candidate']['p95_ms']:.3f} ms | "
+                            f"x{d['speedup_p50']:.2f} (n={d['candidate']['n']})"
+                        )
         elif tri:
             lines.append(f"Triton: {tri['error'][:500]}")
         can = res.get("canary")
         if can and "error" not in can:
             lat = can["client_latency"] or {}
-            lines.append(f"sidecar canary ({can.get('latency_pairing', 'primary')} latency pairing): {can['state']} after {can['wall_s']:.0f}s, client p50 {lat.get('p50_ms', 0):.3f} "
-                         f"p95 {lat.get('p95_ms', 0):.3f} ms (n={lat.get('n', 0)}), {can['client_errors']} client errors")
+            lines.append(
+                f"sidecar canary ({can.get('latency_pairing', 'primary')} latency pairing): {can['state']} after {can['wall_s']:.0f}s, client p50 {lat.get('p50_ms', 0):.3f} "
+                f"p95 {lat.get('p95_ms', 0):.3f} ms (n={lat.get('n', 0)}), {can['client_errors']} client errors"
+            )
             alone = can.get("client_latency_baseline_alone") or {}
             if alone:
-                lines.append(f"  client p50 {alone.get('p50_ms', 0):.3f} p95 {alone.get('p95_ms', 0):.3f} ms through the sidecar "
-                             "before the canary (baseline alone)")
+                lines.append(
+                    f"  client p50 {alone.get('p50_ms', 0):.3f} p95 {alone.get('p95_ms', 0):.3f} ms through the sidecar "
+                    "before the canary (baseline alone)"
+                )
             for rec in can.get("decisions") or []:
                 ev = rec.get("evidence") or {}
                 thr, mem, lat = ev.get("throughput") or {}, ev.get("memory") or {}, ev.get("latency") or {}
                 lines.append(f"  decision {rec.get('outcome')}: {'; '.join(rec.get('reasons', []))}")
-                lines.append(f"  evidence: {ev.get('compared')} compared, p50 ratio {lat.get('p50_ratio')}, p95 ratio "
-                             f"{lat.get('p95_ratio')}, capacity c/b {thr.get('candidate_capacity_rps')}/"
-                             f"{thr.get('baseline_capacity_rps')} (ratio {thr.get('ratio')}), memory c/b "
-                             f"{mem.get('candidate_bytes')}/{mem.get('baseline_bytes')} (ratio {mem.get('ratio')})")
+                lines.append(
+                    f"  evidence: {ev.get('compared')} compared, p50 ratio {lat.get('p50_ratio')}, p95 ratio "
+                    f"{lat.get('p95_ratio')}, capacity c/b {thr.get('candidate_capacity_rps')}/"
+                    f"{thr.get('baseline_capacity_rps')} (ratio {thr.get('ratio')}), memory c/b "
+                    f"{mem.get('candidate_bytes')}/{mem.get('baseline_bytes')} (ratio {mem.get('ratio')})"
+                )
                 if ev.get("max_client_slowdown"):
-                    lines.append(f"  mirror budget {ev.get('max_client_slowdown')}: sample rate {ev.get('mirror_sample_rate')} "
-                                 f"(lowest {ev.get('mirror_sample_rate_min')}), client p50 mirroring "
-                                 f"{ev.get('client_p50_mirroring_s')} s against paused {ev.get('client_p50_paused_s')} s, "
-                                 f"slowdown {ev.get('client_slowdown')}")
+                    lines.append(
+                        f"  mirror budget {ev.get('max_client_slowdown')}: sample rate {ev.get('mirror_sample_rate')} "
+                        f"(lowest {ev.get('mirror_sample_rate_min')}), client p50 mirroring "
+                        f"{ev.get('client_p50_mirroring_s')} s against paused {ev.get('client_p50_paused_s')} s, "
+                        f"slowdown {ev.get('client_slowdown')}"
+                    )
             decided = ((can.get("status") or {}).get("last") or {}).get("at")
             if decided and can.get("load_started_at"):
                 lines.append(f"  decided at t+{decided - can['load_started_at']:.2f}s of the load")
@@ -513,23 +717,49 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/gpu/out")))
     ap.add_argument("--work", type=Path, default=Path("/tmp/tunegate-gpu"))
-    ap.add_argument("--models", default="bert_base", help="comma-separated; name:seconds sets that model's budget")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="per model: builds stop being started after this")
+    ap.add_argument(
+        "--models", default="bert_base", help="comma-separated; name:seconds sets that model's budget"
+    )
+    ap.add_argument(
+        "--budget-s", type=float, default=480.0, help="per model: builds stop being started after this"
+    )
     ap.add_argument("--parallel", type=int, default=4, help="concurrent non-autotuning builds")
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--no-autotune", action="store_true")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--canary", action="store_true", help="after serving: the sidecar canary of version 2 under load")
-    ap.add_argument("--canary-pairing", default="shadow", choices=("primary", "shadow"),
-                    help="the canary's latency_pairing (shadow: the candidate's copy paired with a baseline replay)")
-    ap.add_argument("--canary-param", action="append", default=[], metavar="KEY=JSON",
-                    help="a canary parameter beside the defaults, e.g. max_client_slowdown=0.05 (repeatable)")
-    ap.add_argument("--no-serve", action="store_true", help="skip the paired Triton measurement (versions are still written)")
-    ap.add_argument("--autotune-parallel", action="store_true",
-                    help="build autotuning routes alongside the others (faster; their GEMM timings share the GPU)")
+    ap.add_argument(
+        "--canary", action="store_true", help="after serving: the sidecar canary of version 2 under load"
+    )
+    ap.add_argument(
+        "--canary-pairing",
+        default="shadow",
+        choices=("primary", "shadow"),
+        help="the canary's latency_pairing (shadow: the candidate's copy paired with a baseline replay)",
+    )
+    ap.add_argument(
+        "--canary-param",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="a canary parameter beside the defaults, e.g. max_client_slowdown=0.05 (repeatable)",
+    )
+    ap.add_argument(
+        "--no-serve",
+        action="store_true",
+        help="skip the paired Triton measurement (versions are still written)",
+    )
+    ap.add_argument(
+        "--autotune-parallel",
+        action="store_true",
+        help="build autotuning routes alongside the others (faster; their GEMM timings share the GPU)",
+    )
     ap.add_argument("--min-speedup", type=float, default=1.05)
-    ap.add_argument("--routes", default="", help="comma-separated route strings instead of the built-in set (first = baseline)")
+    ap.add_argument(
+        "--routes",
+        default="",
+        help="comma-separated route strings instead of the built-in set (first = baseline)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
     if args.no_autotune:
@@ -543,10 +773,25 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.models.split(","):
         name, _, budget = item.partition(":")  # bert_base:300 = this model's own budget
         routes = [r.strip() for r in args.routes.split(",") if r.strip()] or None
-        results.append(run_model(name, args.out, args.work, float(budget or args.budget_s), args.parallel, args.repeats, args.requests,
-                                 args.device, routes, args.min_speedup, args.autotune_parallel, args.canary,
-                                 not args.no_serve, args.canary_pairing,
-                                 {k: json.loads(v) for k, v in (p.split("=", 1) for p in args.canary_param)}))
+        results.append(
+            run_model(
+                name,
+                args.out,
+                args.work,
+                float(budget or args.budget_s),
+                args.parallel,
+                args.repeats,
+                args.requests,
+                args.device,
+                routes,
+                args.min_speedup,
+                args.autotune_parallel,
+                args.canary,
+                not args.no_serve,
+                args.canary_pairing,
+                {k: json.loads(v) for k, v in (p.split("=", 1) for p in args.canary_param)},
+            )
+        )
         atomic_write_text(args.out / "results.txt", table(results))
     print(table(results))
     return 0

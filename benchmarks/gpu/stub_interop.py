@@ -2,10 +2,10 @@
 
     python -m benchmarks.gpu.stub_interop        # prints one line per hand-off, exit 1 if the current templates' fail
 
-Session 2 found every output of the pt2 template empty on the H200 image (numpy 2.5): the stub's pybind11
-in Triton 2.51 misreads numpy 2 arrays. On 2026-12-03 there (numpy 2.5.2) every numpy output failed with
-"output tensor shape does not match size of output", and only torch's DLPack got outputs through. This serves one tiny python-backend model per way of getting a
-tensor in and out, from the embedded Triton, and checks what comes back. Here (numpy 1.26) it also shows
+On an H200 image with numpy 2.5 every output of the pt2 template came back empty: the stub's pybind11 in
+Triton 2.51 misreads numpy 2 arrays. With numpy 2.5.2 every numpy output fails with "output tensor shape
+does not match size of output", and only torch's DLPack gets outputs through. This serves one tiny python-backend model per way of getting a
+tensor in and out, from the embedded Triton, and checks what comes back. With numpy 1.26 it also shows
 that `pb_utils.Tensor.from_dlpack` of a numpy array kills the stub: the stub renames a consumed capsule
 "used_dlpack" (the DLPack spec says "used_dltensor"), so numpy's capsule destructor fails.
 """

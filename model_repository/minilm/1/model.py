@@ -47,7 +47,9 @@ def output_maker():
         import torch
         from torch.utils.dlpack import to_dlpack
 
-        to_dlpack(torch.from_numpy(np.zeros(1, dtype=np.float32)))  # usable with this numpy, not just importable
+        to_dlpack(
+            torch.from_numpy(np.zeros(1, dtype=np.float32))
+        )  # usable with this numpy, not just importable
     except Exception as exc:  # ImportError, or a torch built for another numpy  # noqa: BLE001
         pb_utils.Logger.log_warn(
             f"numpy {np.__version__} without a usable torch ({exc!r}): outputs go to the stub as numpy arrays, "
@@ -70,7 +72,9 @@ def session_options(runtime):
     so.intra_op_num_threads = int(sess.get("intra_op_num_threads", 1))
     so.inter_op_num_threads = int(sess.get("inter_op_num_threads", 1))
     so.execution_mode = (
-        ort.ExecutionMode.ORT_PARALLEL if sess.get("execution_mode") == "parallel" else ort.ExecutionMode.ORT_SEQUENTIAL
+        ort.ExecutionMode.ORT_PARALLEL
+        if sess.get("execution_mode") == "parallel"
+        else ort.ExecutionMode.ORT_SEQUENTIAL
     )
     for key, value in runtime.get("config_entries", {}).items():
         so.add_session_config_entry(key, str(value))
@@ -93,7 +97,9 @@ class TritonPythonModel:
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.output_names = [o["name"] for o in self.config["output"]]
         self.bytes_tensors = {
-            t["name"] for t in self.config.get("input", []) + self.config["output"] if t["data_type"] == "TYPE_STRING"
+            t["name"]
+            for t in self.config.get("input", []) + self.config["output"]
+            if t["data_type"] == "TYPE_STRING"
         }
         # Test hook for deliberately slow candidates (see tests); 0 in every real version.
         self.delay_s = float(runtime.get("debug_delay_ms", 0)) / 1000.0
@@ -111,8 +117,12 @@ class TritonPythonModel:
                 outs = self.session.run(self.output_names, feeds)
                 if self.delay_s:
                     time.sleep(self.delay_s)
-                tensors = [self.to_triton(n, o, n in self.bytes_tensors) for n, o in zip(self.output_names, outs)]
+                tensors = [
+                    self.to_triton(n, o, n in self.bytes_tensors) for n, o in zip(self.output_names, outs)
+                ]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
-            except Exception as exc:  # one bad request must not take the batch down
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
+            except Exception as exc:  # noqa: BLE001 - one bad request must not take the batch down
+                responses.append(
+                    pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc)))
+                )
         return responses
