@@ -32,6 +32,7 @@ from tunegate.errors import InputError
 from tunegate.records import atomic_write_text
 
 FORMAT_VERSION = 1
+PROTOCOLS = ("http", "grpc")
 
 
 class CaptureError(InputError):
@@ -47,6 +48,9 @@ class CaptureRecord:
     header_length: int | None
     request_id: str | None = None
     inputs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # the protocol the client sent it over: "http", or "grpc" (its body then is the HTTP equivalent,
+    # tunegate.grpc_codec); a replay may use either
+    protocol: str = "http"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -58,6 +62,7 @@ class CaptureRecord:
             "header_length": self.header_length,
             "body_b64": base64.b64encode(self.body).decode("ascii"),
             "inputs": self.inputs,
+            "protocol": self.protocol,
         }
 
     def decode(self) -> codec.InferMessage:
@@ -95,6 +100,9 @@ def _parse(line: str, where: str) -> CaptureRecord:
     except ValueError as exc:
         raise CaptureError(f"{where}: body_b64 is not valid base64") from exc
     version = raw.get("version")
+    protocol = raw.get("protocol", "http")
+    if protocol not in PROTOCOLS:
+        raise CaptureError(f"{where}: protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     return CaptureRecord(
         ts=float(raw["ts"]),
         model=raw["model"],
@@ -103,6 +111,7 @@ def _parse(line: str, where: str) -> CaptureRecord:
         header_length=hl,
         request_id=raw.get("request_id"),
         inputs=raw.get("inputs") or {},
+        protocol=protocol,
     )
 
 

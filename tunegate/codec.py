@@ -208,6 +208,11 @@ def _to_bytes(array: npt.NDArray[Any], datatype: str) -> bytes:
     return np.ascontiguousarray(array, dtype=_np_dtype(datatype)).tobytes()
 
 
+def tensor_bytes(array: npt.NDArray[Any], datatype: str) -> bytes:
+    """A tensor's bytes as the binary extension (and gRPC's raw contents) carry them."""
+    return _to_bytes(array, datatype)
+
+
 def _to_json_data(array: npt.NDArray[Any], datatype: str) -> list[Any]:
     if datatype == "BYTES":
         out = []

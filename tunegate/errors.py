@@ -2,7 +2,8 @@
 
     TunegateError
     ├── InputError (also a ValueError): what a user gave is wrong; a CLI exits 2, the sidecar answers 4xx
-    │   ├── tunegate: CodecError (a KServe v2 body), ToleranceError, CaptureError, ConfigTextError (config.pbtxt)
+    │   ├── tunegate: CodecError (a KServe v2 body), GrpcCodecError (a gRPC inference message with no HTTP
+    │   │   form), ToleranceError, CaptureError, ConfigTextError (config.pbtxt)
     │   ├── tuner: SpecError, RouteError, InputsError
     │   └── sidecar: ConfigError (sidecar.toml), StatsError (Triton's statistics JSON)
     ├── ServiceError (also a RuntimeError): a service, a file or a process failed; a CLI exits 1
