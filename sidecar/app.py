@@ -31,6 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from sidecar.canary import CanaryError, CanaryManager
 from sidecar.config import SidecarConfig
+from sidecar.grpc_front import GrpcFront
 from sidecar.judge import PIN, PROMOTE
 from sidecar.metrics import SidecarMetrics
 from sidecar.proxy import CAPTURE, CONFIG, MANAGER, METRICS, PEER_HEADER, UPSTREAM, Front
@@ -267,7 +268,7 @@ class RunningSidecar:
     """The front listening on `port`, the admin application behind it; `close()` stops both."""
 
     def __init__(self, app: web.Application, runner: web.AppRunner, server: asyncio.Server, front: Front,
-                 admin: UpstreamPool, sockdir: str) -> None:  # fmt: skip
+                 admin: UpstreamPool, sockdir: str, grpc_front: GrpcFront | None = None) -> None:  # fmt: skip
         self.app, self.runner, self.server, self.front, self.admin, self.sockdir = (
             app,
             runner,
@@ -276,9 +277,13 @@ class RunningSidecar:
             admin,
             sockdir,
         )
+        self.grpc = grpc_front
         self.port: int = server.sockets[0].getsockname()[1]
+        self.grpc_port: int | None = None if grpc_front is None else grpc_front.port
 
     async def close(self) -> None:
+        if self.grpc is not None:
+            await self.grpc.close()
         self.server.close()
         self.front.close_connections()
         await self.server.wait_closed()
@@ -293,6 +298,8 @@ async def start(config: SidecarConfig, registry: CollectorRegistry | None = None
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     sockdir = tempfile.mkdtemp(prefix="tunegate-sidecar-")
+    server: asyncio.Server | None = None
+    grpc_front: GrpcFront | None = None
     try:
         sock = os.path.join(sockdir, "admin.sock")
         await web.UnixSite(runner, sock).start()
@@ -306,15 +313,22 @@ async def start(config: SidecarConfig, registry: CollectorRegistry | None = None
         server = await asyncio.get_running_loop().create_server(
             front.protocol(), config.listen_host, config.listen_port, backlog=1024, reuse_address=True)  # fmt: skip
         front.start_sweeping()
+        if config.grpc_listen is not None:
+            grpc_front = GrpcFront(config, app[MANAGER], app[METRICS], app.get(CAPTURE))
+            await grpc_front.start()
     except BaseException:
+        if grpc_front is not None:
+            await grpc_front.close()
+        if server is not None:
+            server.close()
         await runner.cleanup()
         shutil.rmtree(sockdir, ignore_errors=True)
         raise
-    return RunningSidecar(app, runner, server, front, admin, sockdir)
+    return RunningSidecar(app, runner, server, front, admin, sockdir, grpc_front)
 
 
-async def serve(config: SidecarConfig, ready: Callable[[int], Any] | None = None) -> None:
-    """Run until cancelled; `ready(port)` is called once listening (port 0 picks a free one)."""
+async def serve(config: SidecarConfig, ready: Callable[[int, int | None], Any] | None = None) -> None:
+    """Run until cancelled; `ready(port, grpc_port)` is called once listening (port 0 picks a free one)."""
     running = await start(config)
     # Everything built so far lives as long as the process: keep it out of the collector's scans, and
     # collect the young generation less often (the client path allocates per request, rarely in cycles).
@@ -323,7 +337,7 @@ async def serve(config: SidecarConfig, ready: Callable[[int], Any] | None = None
     gc.set_threshold(GC_GEN0_THRESHOLD, 50, 100)
     try:
         if ready is not None:
-            ready(running.port)
+            ready(running.port, running.grpc_port)
         await asyncio.Event().wait()
     finally:
         await running.close()

@@ -113,8 +113,9 @@ class CanaryManager:
         return rate >= 1.0 or self._random.random() < rate
 
     def offer(self, model: str, body: bytes, headers: Headers, primary: UpstreamResponse, primary_s: float,
-              request_id: str) -> None:  # fmt: skip
-        """Mirror one answered client request (its raw header pairs); returns at once."""
+              request_id: str, protocol: str = "http") -> None:  # fmt: skip
+        """Mirror one answered client request (its raw header pairs; a gRPC one written as its HTTP equivalent,
+        sidecar.grpc_front); returns at once."""
         canary = self.canaries.get(model)
         if canary is None or canary.pending is not None or canary.paused is not None or primary.status != 200:
             return
@@ -128,10 +129,7 @@ class CanaryManager:
         # Stateful sequences and decoupled models are not replayed (sidecar.semantics); counted, never mirrored.
         skip = canary.semantics.skip if canary.semantics is not None else None
         if skip is not None or sequence_request(body, headers):
-            reason = skip or SEQUENCE
-            self.metrics.inc(self.metrics.mirror_skipped, model, reason)
-            canary.evidence.skipped[reason] = canary.evidence.skipped.get(reason, 0) + 1
-            self._dirty = True
+            self._skipped(canary, skip or SEQUENCE)
             return
         acquired = canary.slots.acquire()
         if not acquired and p.latency_pairing == "shadow":
@@ -142,8 +140,19 @@ class CanaryManager:
             return
         fwd = [(k, v) for k, v in headers if k.lower() in FORWARD_MIRROR_HEADERS]
         aa = p.aa_rate > 0 and self._random.random() < p.aa_rate
-        job = MirrorJob(self, canary, body, fwd, primary, primary_s, request_id, aa)
+        job = MirrorJob(self, canary, body, fwd, primary, primary_s, request_id, aa, protocol)
         job._step(job.start)
+
+    def skip(self, model: str, reason: str) -> None:
+        """A sampled request of a running canary that cannot be mirrored (sidecar.metrics.SKIP_REASONS)."""
+        canary = self.canaries.get(model)
+        if canary is not None and canary.pending is None and self.sample(canary.budget.rate):
+            self._skipped(canary, reason)
+
+    def _skipped(self, canary: Canary, reason: str) -> None:
+        self.metrics.inc(self.metrics.mirror_skipped, canary.model, reason)
+        canary.evidence.skipped[reason] = canary.evidence.skipped.get(reason, 0) + 1
+        self._dirty = True
 
     def replayed(self, canary: Canary, version: int, role: str, resp: UpstreamResponse | None,
                  exc: BaseException | None, seconds: float) -> Replayed:  # fmt: skip
@@ -473,7 +482,7 @@ class CanaryManager:
                 return
             canary.pending = Decision(
                 canary_id=canary.id, model=model, candidate=canary.candidate, baseline=canary.baseline,
-                outcome=j.outcome, reasons=list(j.reasons), evidence={**j.stats, **canary.budget.record()},
+                outcome=j.outcome, reasons=list(j.reasons), evidence={**j.stats, **canary.budget.record(), "protocols": dict(canary.evidence.protocols)},
                 decided_by=by, exemplars=list(canary.evidence.exemplars), started=canary.started, at=time.time(),
                 params=canary.params.to_dict(), tolerance=canary.tolerance.to_dict(),
                 gate_vs_canary=gate_vs_canary(canary.gate, j.stats, canary.params),

@@ -34,6 +34,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="HOST:PORT",
         help="Triton's gRPC address, e.g. 127.0.0.1:8001: model loads go there and stall no HTTP client",
     )
+    p.add_argument(
+        "--grpc-listen",
+        metavar="HOST:PORT",
+        help="serve Triton's gRPC inference API here too (needs --upstream-grpc; port 0 picks one)",
+    )
+    p.add_argument(
+        "--grpc-max-message-bytes",
+        type=int,
+        help="largest gRPC message either way (RESOURCE_EXHAUSTED above)",
+    )
     p.add_argument("--state-dir", type=Path, help="where state.json and decisions.jsonl live")
     p.add_argument("--repository", type=Path, help="the model repository Triton serves (shared with Triton)")
     p.add_argument(
@@ -94,22 +104,27 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         "listen": args.listen, "upstream": args.upstream, "upstream_grpc": args.upstream_grpc, "state_dir": args.state_dir,
         "repository": args.repository, "admin_token_file": args.admin_token_file,
         "capture_dir": args.capture_dir, "capture_rate": args.capture_rate, "max_body_bytes": args.max_body_bytes,
-        "retain_versions": args.retain_versions, "admin_listen": args.admin_listen,
+        "retain_versions": args.retain_versions, "admin_listen": args.admin_listen, "grpc_listen": args.grpc_listen,
+        "grpc_max_message_bytes": args.grpc_max_message_bytes,
     }  # fmt: skip
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
         raise CliError(str(exc)) from exc
 
-    def ready(port: int) -> None:
+    def ready(port: int, grpc_port: int | None = None) -> None:
         err.print(f"[green]sidecar[/] listening on {config.listen_host}:{port} -> {config.upstream}")
+        if grpc_port is not None and config.grpc_listen is not None:
+            err.print(
+                f"[green]sidecar[/] gRPC on {config.grpc_listen[0]}:{grpc_port} -> {config.upstream_grpc}"
+            )
         if config.upstream_grpc is None:
             err.print(
                 "[yellow]upstream_grpc is not set[/]: model loads go through Triton's HTTP API, which holds the "
                 "HTTP clients for the whole load; set it to Triton's gRPC host:port"
             )
         if args.ready_file is not None:
-            atomic_write_text(args.ready_file, str(port))
+            atomic_write_text(args.ready_file, f"{port} {grpc_port}" if grpc_port is not None else str(port))
 
     async def main() -> None:
         task = asyncio.ensure_future(serve(config, ready))

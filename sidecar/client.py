@@ -110,7 +110,8 @@ class SidecarProcess:
 
     def __init__(self, *, upstream: str, state_dir: Path, repository: Path, token_file: Path | None = None,
                  listen: str = "127.0.0.1:0", extra_args: tuple[str, ...] = (), log_path: Path | None = None,
-                 start_timeout_s: float = 60.0, upstream_grpc: str | None = None) -> None:  # fmt: skip
+                 start_timeout_s: float = 60.0, upstream_grpc: str | None = None,
+                 grpc_listen: str | None = None) -> None:  # fmt: skip
         self.args = [
             sys.executable, "-m", "tunegate.app.cli", "sidecar", "--upstream", upstream, "--state-dir", str(state_dir),
             "--repository", str(repository), "--listen", listen, *extra_args,
@@ -119,11 +120,18 @@ class SidecarProcess:
             self.args += ["--admin-token-file", str(token_file)]
         if upstream_grpc is not None:
             self.args += ["--upstream-grpc", upstream_grpc]
+        if grpc_listen is not None:
+            self.args += ["--grpc-listen", grpc_listen]
         self.state_dir = Path(state_dir)
         self.log_path = log_path or self.state_dir / "sidecar.log"
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self.grpc_port: int | None = None  # the gRPC front's, when it listens
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
 
     @property
     def url(self) -> str:
@@ -145,7 +153,9 @@ class SidecarProcess:
                 tail = self.log_path.read_text(errors="replace")[-3000:]
                 raise AdminError(f"the sidecar did not start:\n{tail}")
             time.sleep(0.05)
-        self.port = int(ready.read_text())
+        ports = ready.read_text().split()  # "HTTP_PORT [GRPC_PORT]"
+        self.port = int(ports[0])
+        self.grpc_port = int(ports[1]) if len(ports) > 1 else None
         ready.unlink()
         ready.parent.rmdir()
         return self

@@ -165,6 +165,11 @@ class SidecarConfig:
     # Triton's gRPC host:port (e.g. triton:8001): model loads and unloads go there. Through Triton's HTTP API
     # a load stalls the HTTP clients for the whole load (sidecar/control.py).
     upstream_grpc: str | None = None
+    # (host, port) of the gRPC front (Triton's GRPCInferenceService, sidecar/grpc_front.py); needs upstream_grpc.
+    # None: no gRPC front.
+    grpc_listen: tuple[str, int] | None = None
+    grpc_max_message_bytes: int = 64 << 20  # a larger message is refused with RESOURCE_EXHAUSTED
+    grpc_max_concurrent_rpcs: int = 1000  # calls beyond it are refused with RESOURCE_EXHAUSTED
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     admin_token: str | None = None  # read from the token file at startup; None disables admin
@@ -207,6 +212,10 @@ class SidecarConfig:
             )
         if self.upstream_grpc is not None:
             _host_port("upstream_grpc", self.upstream_grpc)
+        if self.grpc_listen is not None and self.upstream_grpc is None:
+            raise ConfigError(
+                "grpc_listen needs upstream_grpc: the gRPC front forwards to Triton's gRPC port"
+            )
         if not 0 <= self.listen_port <= 65535:
             raise ConfigError(f"listen port must be within 0..65535, got {self.listen_port}")
         if not Path(self.repository).is_dir():
@@ -223,6 +232,8 @@ class SidecarConfig:
             "max_header_bytes",
             "max_header_count",
             "max_connections",
+            "grpc_max_message_bytes",
+            "grpc_max_concurrent_rpcs",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
@@ -278,6 +289,9 @@ def load_config(path: Path | None, overrides: Mapping[str, Any]) -> SidecarConfi
     listen = raw.pop("listen", None)
     if listen is not None:
         raw["listen_host"], raw["listen_port"] = _host_port("listen", listen)
+    grpc_listen = raw.pop("grpc_listen", None)
+    if grpc_listen is not None:
+        raw["grpc_listen"] = _host_port("grpc_listen", grpc_listen)
     admin_listen = raw.pop("admin_listen", None)
     if admin_listen is not None:
         raw["admin_listen"] = _host_port("admin_listen", admin_listen)

@@ -27,7 +27,9 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.utils import floatToGoString
 
 ROLES = ("primary", "candidate", "aa")
-SKIP_REASONS = ("sequence", "decoupled")  # as sidecar.semantics
+# as sidecar.semantics; gRPC requests with shared-memory tensors, or none the HTTP protocol can carry
+SKIP_REASONS = ("sequence", "decoupled", "shared_memory", "untranslatable")
+PROTOCOLS = ("http", "grpc")
 CANARY_STATES = ("idle", "running", "promoted", "pinned", "rolled_back")
 OUTCOMES = ("promote", "pin", "inconclusive", "rollback", "rollback_failed")
 
@@ -187,6 +189,17 @@ class SidecarMetrics:
             "tunegate_mirror_skipped", "Sampled requests not mirrored for their semantics (reason: sequence, decoupled).",
             ["model", "reason"], registry=registry,
         )  # fmt: skip
+        self.mirror_protocol = LoopCounter(
+            "tunegate_mirror_compared_by_protocol",
+            "Candidate comparisons by the protocol the mirrored client request came in (http, grpc).",
+            ["model", "protocol"], registry=registry,
+        )  # fmt: skip
+        self.grpc_requests = LoopCounter(
+            "tunegate_grpc_requests",
+            "Calls on the gRPC front by method (Triton's GRPCInferenceService; 'other' for unknown ones) and status "
+            "code; each message of a ModelStreamInfer stream counts once.",
+            ["method", "code"], registry=registry,
+        )  # fmt: skip
         self.mirror_errors = LoopCounter(
             "tunegate_mirror_errors", "Mirror requests that failed (kind: error, timeout).",
             ["model", "version", "role", "kind"], registry=registry,
@@ -313,6 +326,8 @@ class SidecarMetrics:
         for role in ROLES:
             self.mirror_sampled.labels(model, role)
             self.mirror_dropped.labels(model, role, "full")
+        for protocol in PROTOCOLS:
+            self.mirror_protocol.labels(model, protocol)
         for reason in SKIP_REASONS:
             self.mirror_skipped.labels(model, reason)
             for out in outputs:

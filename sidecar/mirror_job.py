@@ -47,14 +47,16 @@ class MirrorJob:
         "mgr",
         "primary",
         "primary_s",
+        "protocol",
         "ref",
         "request_id",
         "waiting",
     )  # fmt: skip
 
     def __init__(self, mgr: CanaryManager, canary: Canary, body: bytes, headers: Headers, primary: UpstreamResponse,
-                 primary_s: float, request_id: str, aa: bool) -> None:  # fmt: skip
+                 primary_s: float, request_id: str, aa: bool, protocol: str = "http") -> None:  # fmt: skip
         self.mgr, self.canary, self.body, self.headers = mgr, canary, body, headers
+        self.protocol = protocol  # the client's: "http" or "grpc" (written as HTTP for the mirror)
         self.primary, self.primary_s, self.request_id, self.aa = primary, primary_s, request_id, aa
         self.cand: Replayed | None = None
         self.base: Replayed | None = None
@@ -144,6 +146,8 @@ class MirrorJob:
         assert isinstance(self.cand, tuple)
         ev.sent += 1
         ev.add_comparison(cmp.passed, self.cls)
+        ev.protocols[self.protocol] = ev.protocols.get(self.protocol, 0) + 1
+        self.mgr.metrics.inc(self.mgr.metrics.mirror_protocol, c.model, self.protocol)
         self.cand_passed = cmp.passed
         base = self.base
         base_ok = (
@@ -152,7 +156,9 @@ class MirrorJob:
         # Warm-up by count and by time: a freshly loaded model's first answers are slow for reasons of its own.
         if ev.compared > c.params.warmup_samples and time.time() - c.started >= c.params.warmup_s:
             if c.params.latency_pairing != "shadow":
-                ev.add_pair(self.primary_s, self.cand[1], self.cls)
+                # A gRPC client's latency and the candidate's HTTP replay are not a pair: outputs only.
+                if self.protocol == "http":
+                    ev.add_pair(self.primary_s, self.cand[1], self.cls)
             elif base_ok:
                 ev.add_pair(base[1], self.cand[1], self.cls)  # type: ignore[index]
         self.mgr._count(c, cmp, "candidate")

@@ -76,6 +76,8 @@ class EvidenceCounter:
     skipped: dict[str, int] = dataclasses.field(
         default_factory=dict
     )  # reason -> sampled requests not mirrored
+    # client protocol ("http", "grpc") -> candidate comparisons of requests that came in over it
+    protocols: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def add_pair(self, primary_s: float, candidate_s: float, request_class: str = "") -> None:
         """Keep the most recent MAX_LATENCY_PAIRS pairs (the lists run up to twice that between trims: a trim per

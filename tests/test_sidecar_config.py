@@ -39,6 +39,9 @@ def test_toml_and_flags(tmp_path: Path) -> None:
         ('upstream = "http://x"\n[canary]\nmin_sample = 3', "unknown canary parameters"),
         ('upstream = "http://x"\ncapture_rate = 0.5', "capture_dir"),
         ("upstream = ", "not valid TOML"),
+        ('upstream = "http://x"\ngrpc_listen = "127.0.0.1:8081"', "needs upstream_grpc"),
+        ('upstream = "http://x"\nupstream_grpc = "t:8001"\ngrpc_listen = "8081"', "host:port"),
+        ('upstream = "http://x"\ngrpc_max_message_bytes = 0', "grpc_max_message_bytes"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path: Path, toml: str, message: str) -> None:
