@@ -7,6 +7,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loadtest.replay import ReplayPlan
@@ -23,6 +24,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--capture", type=Path, required=True, help="capture file or directory")
     p.add_argument(
         "--host", required=True, help="base URL of the sidecar or Triton, e.g. http://127.0.0.1:8080"
+    )
+    p.add_argument(
+        "--protocol",
+        choices=["http", "grpc"],
+        default="http",
+        help="replay over HTTP (--host http://...) or as gRPC ModelInfer calls (--host HOST:PORT)",
     )
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--spawn-rate", type=float, default=4.0)
@@ -77,11 +84,12 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
             capture=args.capture, host=args.host, users=args.users, spawn_rate=args.spawn_rate,
             duration_s=args.duration, mode=args.mode, profile=args.profile, time_scale=args.time_scale,
             rate=args.rate, per_user_rate=args.per_user_rate, name_by=args.name_by, csv_prefix=args.csv,
+            protocol=args.protocol,
         )  # fmt: skip
         load_capture(args.capture)  # fail fast on a bad capture, before Locust starts
     except (ValueError, CaptureError) as exc:
         raise CliError(str(exc)) from exc
-    _check_host(args.host)
+    _check_host(args.host, args.protocol)
     with Progress(TextColumn("[bold]locust[/]"), BarColumn(), TimeElapsedColumn(), console=err,
                   disable=args.json) as bar:  # fmt: skip
         task = bar.add_task("replay", total=max(1.0, args.duration))
@@ -107,8 +115,17 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _check_host(host: str, timeout_s: float = 5.0) -> None:
+def _check_host(host: str, protocol: str = "http", timeout_s: float = 5.0) -> None:
     """Fail fast, before Locust starts, when nothing answers at `host` (Locust would count failures quietly)."""
+    if protocol == "grpc":
+        target = host.removeprefix("grpc://")
+        with grpc.insecure_channel(target) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=timeout_s)
+            except grpc.FutureTimeoutError as exc:
+                raise CliError(f"nothing answers gRPC at {target}: start Triton or the sidecar's gRPC front "
+                               "first, or fix --host", code=1) from exc  # fmt: skip
+        return
     url = host.rstrip("/") + "/v2/health/live"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s):

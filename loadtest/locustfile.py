@@ -7,18 +7,31 @@ Options (each also from the environment): --capture (TUNEGATE_CAPTURE), --replay
 --profile fixed|capture (capture: follow the capture's arrival rate, time-scaled by --time-scale),
 --rate (total req/s in fixed mode; 0 = as fast as the users go), --per-user-rate (req/s one user sends in
 capture mode), --name-by model|batch|shape, --replay-duration (seconds; 0 = the capture's length in capture mode).
+With TUNEGATE_PROTOCOL=grpc the same payloads go out as gRPC ModelInfer calls (--host HOST:PORT of a gRPC front).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
+import time
 from typing import Any
 
-from locust import FastHttpUser, LoadTestShape, constant_throughput, events, task
+import grpc
+import grpc.experimental.gevent as grpc_gevent
+from locust import FastHttpUser, LoadTestShape, User, constant_throughput, events, task
 
-from loadtest.replay import ArrivalProfile, Payload, ReplayPlan, Synthesizer, exact_payloads
+from loadtest.replay import ArrivalProfile, Payload, ReplayPlan, Synthesizer, exact_payloads, grpc_request
+
+# Locust runs on gevent: grpc's blocking calls must yield to the other users (Locust's gRPC example does this).
+grpc_gevent.init_gevent()
+GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+GRPC_MAX_MESSAGE = 1 << 30
+# Which user replays: TritonReplayUser (HTTP, the default) or GrpcReplayUser (TUNEGATE_PROTOCOL=grpc). Locust
+# spawns every concrete user class of a locustfile, so the other one is abstract.
+PROTOCOL = os.environ.get("TUNEGATE_PROTOCOL", "http")
 
 
 @events.init_command_line_parser.add_listener  # type: ignore[untyped-decorator]  # unannotated in locust
@@ -57,6 +70,10 @@ class _Replay:
             Synthesizer(self.plan.records, opts.replay_seed) if opts.replay_mode == "synth" else None
         )
 
+    @property
+    def exact(self) -> bool:
+        return self._exact is not None
+
     def next(self) -> Payload:
         with self._lock:
             i = next(self._order)
@@ -81,18 +98,23 @@ def _load(environment: Any, **_kw: Any) -> None:
         raise SystemExit(f"tunegate replay: {exc}") from exc
 
 
+def _wait(user: Any) -> float:
+    """Seconds before a user's next request: the fixed profile's share of --rate, or --per-user-rate."""
+    opts = user.environment.parsed_options
+    if opts.profile == "capture":
+        rate = opts.per_user_rate
+    else:
+        rate = opts.rate / max(1, opts.num_users) if opts.rate > 0 else 0.0
+    return float(constant_throughput(rate)(user)) if rate > 0 else 0.0  # type: ignore[no-untyped-call]  # unannotated in locust
+
+
 class CaptureReplayUser(FastHttpUser):
     """Replays capture payloads; results reach Locust's stats through FastHttpUser's request events."""
 
     abstract = True
 
     def wait_time(self) -> float:
-        opts = self.environment.parsed_options
-        if opts.profile == "capture":
-            rate = opts.per_user_rate
-        else:
-            rate = opts.rate / max(1, opts.num_users) if opts.rate > 0 else 0.0
-        return float(constant_throughput(rate)(self)) if rate > 0 else 0.0  # type: ignore[no-untyped-call]  # unannotated in locust
+        return _wait(self)
 
     @task
     def replay(self) -> None:
@@ -105,7 +127,49 @@ class CaptureReplayUser(FastHttpUser):
 
 
 class TritonReplayUser(CaptureReplayUser):
-    pass
+    abstract = PROTOCOL != "http"
+
+
+class GrpcReplayUser(User):
+    """Replays capture payloads as gRPC ModelInfer calls (--host HOST:PORT, or grpc://HOST:PORT), reporting
+    each through `events.request` as Locust's gRPC example does. Answers arrive as bytes, not decoded."""
+
+    abstract = PROTOCOL != "grpc"
+
+    def wait_time(self) -> float:
+        return _wait(self)
+
+    def on_start(self) -> None:
+        target = (self.host or "").removeprefix("grpc://").rstrip("/")
+        options = [("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
+                   ("grpc.max_send_message_length", GRPC_MAX_MESSAGE)]  # fmt: skip
+        self.channel = grpc.insecure_channel(target, options=options)
+        self.infer = self.channel.unary_unary(GRPC_INFER)
+        self.requests: dict[int, bytes] = {}  # exact payloads, serialized once
+
+    def on_stop(self) -> None:
+        self.channel.close()
+
+    @task
+    def replay(self) -> None:
+        p = REPLAY["state"].next()
+        key = id(p)
+        body = self.requests.get(key) if REPLAY["state"].exact else None
+        if body is None:
+            body = grpc_request(p)
+            if REPLAY["state"].exact:
+                self.requests[key] = body
+        t0 = time.perf_counter()
+        exc: Exception | None = None
+        size = 0
+        try:
+            size = len(self.infer(body, timeout=60))
+        except grpc.RpcError as e:
+            exc = e
+        self.environment.events.request.fire(
+            request_type="grpc", name=p.name, response_time=(time.perf_counter() - t0) * 1000,
+            response_length=size, exception=exc, context={},
+        )  # fmt: skip
 
 
 class ReplayShape(LoadTestShape):

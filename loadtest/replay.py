@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 import numpy.typing as npt
 
-from tunegate import codec
+from tunegate import codec, grpc_codec
 from tunegate.capture import CaptureError, CaptureRecord, load_capture
 
 MODES = ("exact", "synth")
@@ -29,6 +31,21 @@ class Payload:
     headers: dict[str, str]
     name: str
     shape_key: str
+
+
+_INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
+
+
+def grpc_request(p: Payload) -> bytes:
+    """The payload as a serialized gRPC ModelInferRequest (Triton's GRPCInferenceService), for the same model
+    and version; the tensors' bytes are the same in both protocols."""
+    m = _INFER_PATH.match(p.path)
+    if m is None:
+        raise CaptureError(f"{p.path}: not an inference path")
+    raw_hl = p.headers.get(codec.HEADER)
+    req = grpc_codec.http_to_request(p.body, None if raw_hl is None else int(raw_hl), unquote(m.group(1)),
+                                     m.group(2) or "")  # fmt: skip
+    return bytes(req.SerializeToString())
 
 
 def shape_key(shapes: Mapping[str, Sequence[int]]) -> str:

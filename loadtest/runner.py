@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -36,11 +37,18 @@ class LoadOptions:
     name_by: str = "model"
     csv_prefix: Path | None = None
     seed: int = 0
+    protocol: str = "http"  # or "grpc": host is then HOST:PORT of a gRPC front (the sidecar's or Triton's)
 
     def __post_init__(self) -> None:
         if self.users < 1 or self.spawn_rate <= 0 or self.duration_s < 0:
             raise ValueError("users >= 1, spawn rate > 0 and duration >= 0 are required")
-        if not self.host.startswith(("http://", "https://")):
+        if self.protocol == "grpc":
+            host, sep, port = self.host.removeprefix("grpc://").rpartition(":")
+            if not sep or not port.isdigit() or "/" in host:
+                raise ValueError(f"a gRPC host must be HOST:PORT (or grpc://HOST:PORT), got {self.host!r}")
+        elif self.protocol != "http":
+            raise ValueError(f"protocol must be http or grpc, got {self.protocol!r}")
+        elif not self.host.startswith(("http://", "https://")):
             raise ValueError(f"host must be an http(s) URL, got {self.host!r}")
 
 
@@ -138,8 +146,9 @@ def run(opts: LoadOptions, progress: Any = None) -> LoadResult:
     t0 = time.monotonic()
     with open(log, "wb") as logf:
         proc = subprocess.Popen(
-            command(opts, Path(prefix)), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
+            command(opts, Path(prefix)), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "TUNEGATE_PROTOCOL": opts.protocol},
+        )  # fmt: skip
         limit = opts.duration_s + 60
         stopping = False
         try:

@@ -209,3 +209,18 @@ def test_loadtest_refuses_a_host_where_nothing_answers(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert proc.returncode == 1 and "nothing answers at" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("protocol", "host", "message"),
+    [
+        ("grpc", "http://127.0.0.1:8081", "HOST:PORT"),
+        ("grpc", "127.0.0.1", "HOST:PORT"),
+        ("http", "127.0.0.1:8081", "http"),
+        ("h3", "http://x", "protocol"),
+    ],
+)
+def test_load_options_refuse_a_host_the_protocol_cannot_use(protocol: str, host: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LoadOptions(capture=Path("c.jsonl"), host=host, protocol=protocol)
+    assert LoadOptions(capture=Path("c"), host="grpc://127.0.0.1:8081", protocol="grpc").protocol == "grpc"
