@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Self
 
+import grpc
 import numpy as np
 import pytest
 import yaml
@@ -37,7 +38,7 @@ from tests.prometheus_support import (
     prometheus_binaries,
     running_prometheus,
 )
-from tunegate import models
+from tunegate import grpc_codec, models
 from tunegate.repository import onnx_version_files, write_config, write_version
 from tunegate.triton import EmbeddedTriton, TritonOptions
 
@@ -68,9 +69,10 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float, interval_s:
 
 
 class Traffic:
-    """Client requests through the sidecar from a background thread, at a steady rate."""
+    """Client requests through the sidecar from a background thread, at a steady rate: HTTP, and every other
+    one over the sidecar's gRPC front when `grpc_address` is given (codes: HTTP's, 200 for a gRPC OK)."""
 
-    def __init__(self, url: str, rate_hz: float = 25) -> None:
+    def __init__(self, url: str, rate_hz: float = 25, grpc_address: str | None = None) -> None:
         rng = np.random.default_rng(0)
         self.bodies = [
             json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [n, 16],
@@ -78,19 +80,34 @@ class Traffic:
             for n in (1, 2, 4, 8)
         ]  # fmt: skip
         self.url, self.period = f"{url}/v2/models/{MODEL}/infer", 1.0 / rate_hz
+        self.grpc_address = grpc_address
+        self.grpc_bodies = [
+            grpc_codec.http_to_request(b, None, MODEL).SerializeToString() for b in self.bodies
+        ]
         self.codes: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traffic", daemon=True)
 
     def _run(self) -> None:
         i = 0
+        channel = grpc.insecure_channel(self.grpc_address) if self.grpc_address else None
+        infer = None if channel is None else channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
         while not self._stop.is_set():
-            code, _h, _b = http(
-                "POST", self.url, self.bodies[i % len(self.bodies)], {"Content-Type": "application/json"}
-            )
+            if infer is not None and i % 2:
+                try:
+                    infer(self.grpc_bodies[i % len(self.grpc_bodies)], timeout=30)
+                    code = 200
+                except grpc.RpcError as exc:
+                    code = 1000 + exc.code().value[0]  # no HTTP status: shows which gRPC code in the assert
+            else:
+                code, _h, _b = http(
+                    "POST", self.url, self.bodies[i % len(self.bodies)], {"Content-Type": "application/json"}
+                )
             self.codes[code] = self.codes.get(code, 0) + 1
             i += 1
             self._stop.wait(self.period)
+        if channel is not None:
+            channel.close()
 
     def __enter__(self) -> Self:
         self._thread.start()
@@ -187,6 +204,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
     sidecar = SidecarProcess(
         upstream=triton.http_url, state_dir=root / "state", repository=repo,
         token_file=write_token_file(root / "token", TOKEN), log_path=root / "sidecar.log",
+        upstream_grpc=triton.grpc_address, grpc_listen="127.0.0.1:0",
     )  # fmt: skip
     try:
         sidecar.start()
@@ -196,7 +214,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
         )
         with running_prometheus(prom_bin, config, root) as prom:
             run = LiveRun(prometheus=prom, triton=triton, start=time.time())
-            with Traffic(sidecar.url) as traffic:
+            with Traffic(sidecar.url, grpc_address=sidecar.grpc_address) as traffic:
                 # A: a good candidate under canary (no judge decision in this phase), promoted by an operator.
                 admin.start(MODEL, 2, TOLERANCE, min_samples=100000, deadline_s=600, aa_rate=0.5)
                 compared = f'sum(tunegate_comparisons_total{{model="{MODEL}", role="candidate"}})'

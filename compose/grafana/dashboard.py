@@ -184,6 +184,23 @@ PANELS: tuple[Panel, ...] = (
         (Target(_per_request_ms("nv_inference_compute_infer_duration_us"), "{{model}} v{{version}}"),),
         unit="ms",
     ),
+    Panel(
+        "Canary evidence by client protocol", "timeseries",
+        (Target(f"sum by (model, protocol) (rate(tunegate_mirror_compared_by_protocol_total{{{M}}}[{RI}]))",
+                "{{model}} {{protocol}}"),
+         Target(f"sum by (model, reason) (rate(tunegate_mirror_skipped_total{{{M}}}[{RI}]))",
+                "not mirrored {{model}} ({{reason}})")),
+        unit="reqps",
+        description="Candidate comparisons by the protocol the mirrored client request came in (HTTP or gRPC): "
+                    "one canary takes both. Not mirrored: sequences, decoupled models, shared-memory tensors.",
+    ),
+    Panel(
+        "gRPC front: calls by method and status", "timeseries",
+        (Target(f"sum by (method, code) (rate(tunegate_grpc_requests_total[{RI}]))", "{{method}} {{code}}"),),
+        unit="reqps",
+        description="Calls on the sidecar's gRPC front (Triton's GRPCInferenceService); refused calls show as "
+                    "PERMISSION_DENIED.",
+    ),
 )  # fmt: skip
 
 ANNOTATION_EXPR = f"sum by (model, outcome) (increase(tunegate_decisions_total{{{M}}}[2m])) > 0"
