@@ -194,13 +194,6 @@ PANELS: tuple[Panel, ...] = (
         description="Candidate comparisons by the protocol the mirrored client request came in (HTTP or gRPC): "
                     "one canary takes both. Not mirrored: sequences, decoupled models, shared-memory tensors.",
     ),
-    Panel(
-        "gRPC front: calls by method and status", "timeseries",
-        (Target(f"sum by (method, code) (rate(tunegate_grpc_requests_total[{RI}]))", "{{method}} {{code}}"),),
-        unit="reqps",
-        description="Calls on the sidecar's gRPC front (Triton's GRPCInferenceService); refused calls show as "
-                    "PERMISSION_DENIED.",
-    ),
 )  # fmt: skip
 
 ANNOTATION_EXPR = f"sum by (model, outcome) (increase(tunegate_decisions_total{{{M}}}[2m])) > 0"
