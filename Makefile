@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/tunegate demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -ra --durations=25 $(PYTEST_ARGS)
 
 # Lint, format, types and layers: what CI runs before the tests (and .pre-commit-config.yaml on commit).
 check: $(STAMP)

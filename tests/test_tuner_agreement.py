@@ -4,6 +4,7 @@ same tolerance, budget and confidence. Real tuning, real Triton, real sidecar, r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -54,9 +55,14 @@ def test_where_the_gate_passes_the_canary_promotes_and_where_it_rejects_the_cana
     write_synthetic(capture / "capture-traffic.jsonl", SynthSpec(model=models.MINILM, requests=600, seed=3))
     spec = capture_spec(spec_path(STRICT), capture, demo_repository, models.minilm_onnx(), tmp_path / "tune")
     spec = spec.with_search(routes=ROUTES)
+    # The gate's verdicts are what is compared: no finalists served end to end.
+    spec = dataclasses.replace(spec, bench=dataclasses.replace(spec.bench, e2e=False))
     result = tune(spec, progress=False, write=False)
-    judged = [r for r in result.routes if r.status in ("passed", "rejected") and r.artifact]
-    assert {r.knobs["quant"] for r in judged} == {"fp32", "int8-channel-keepffn", "int8-channel"}
+    gated = [r for r in result.routes if r.status in ("passed", "rejected") and r.artifact]
+    assert {r.knobs["quant"] for r in gated} == {"fp32", "int8-channel-keepffn", "int8-channel"}
+    # Fused fp32 computes what the baseline computes within float rounding: its canary could only agree. The
+    # two int8 routes are where gate and canary can disagree, one on each side of the budget.
+    judged = [r for r in gated if r.knobs["quant"] != "fp32"]
 
     builder = get_builder("onnxruntime")
     versions = {}
