@@ -71,7 +71,7 @@ class TritonPythonModel:
 BODY = json.dumps(
     {"inputs": [{"name": "x", "datatype": "FP32", "shape": [16], "data": [float(i) for i in range(16)]}]}
 )
-NGINX_CONF = """
+NGINX_HEAD = """
 worker_processes 1;
 daemon off;
 user root;
@@ -87,6 +87,10 @@ http {{
   scgi_temp_path {prefix}/scgi;
   client_body_buffer_size 1m;
   upstream triton {{ server 127.0.0.1:{triton_port}; keepalive 64; }}
+"""
+NGINX_CONF = (
+    NGINX_HEAD
+    + """
   server {{
     listen 127.0.0.1:{port};
     location / {{
@@ -104,6 +108,7 @@ http {{
   }}
 }}
 """
+)
 
 
 def build_repository(root: Path) -> Path:
@@ -129,23 +134,30 @@ def build_repository(root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def nginx(workdir: Path, triton_port: int, mirror_model: str | None) -> Iterator[tuple[str, int]]:
+def nginx_with(workdir: Path, conf_template: str, **fields: Any) -> Iterator[tuple[int, int]]:
+    """nginx in the foreground on a free port with `conf_template` filled in; yields (port, pid)."""
     prefix = Path(tempfile.mkdtemp(prefix="nginx-", dir=workdir))
     port = free_port()
-    mirror = "mirror /mirror;\n      mirror_request_body on;" if mirror_model else ""
     conf = prefix / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(prefix=prefix, triton_port=triton_port, port=port, mirror=mirror,
-                                      mirror_model=mirror_model or "none"))  # fmt: skip
+    conf.write_text(conf_template.format(prefix=prefix, port=port, **fields))
     proc = subprocess.Popen(["nginx", "-p", str(prefix), "-c", str(conf)], stderr=subprocess.PIPE)
     try:
         wait_port(port, proc)
-        yield f"http://127.0.0.1:{port}", proc.pid
+        yield port, proc.pid
     finally:
         proc.send_signal(signal.SIGQUIT)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextlib.contextmanager
+def nginx(workdir: Path, triton_port: int, mirror_model: str | None) -> Iterator[tuple[str, int]]:
+    mirror = "mirror /mirror;\n      mirror_request_body on;" if mirror_model else ""
+    with nginx_with(workdir, NGINX_CONF, triton_port=triton_port, mirror=mirror,
+                    mirror_model=mirror_model or "none") as (port, pid):  # fmt: skip
+        yield f"http://127.0.0.1:{port}", pid
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 10) -> None:
@@ -288,12 +300,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     n = max(1.0, r["rps"] * max(1, round(args.duration)))
                     # CPU per client request: the proxy's own (nginx master + worker, or the sidecar) and
                     # Triton's (server + python stubs), which mirroring doubles.
-                    r["proxy_cpu_us"] = (after[0] - before[0]) / n * 1e6
-                    r["triton_cpu_us"] = (after[1] - before[1]) / n * 1e6
-                    raw.setdefault(name, {}).setdefault(c, []).append(r)
-                    console.print(f"{name:15s} c={c:<3d} {r['rps']:8.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 "
-                                  f"{r['p99_ms']:.3f} ms  cpu/req proxy {r['proxy_cpu_us']:.0f} us, triton "
-                                  f"{r['triton_cpu_us']:.0f} us")  # fmt: skip
+                    record(raw, name, c, r, before, after, n, console)
         evidence = {}
         for model in ("ident", "identd", "idents"):
             st = admin.status(model)
@@ -309,6 +316,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 RATIOS = {"passthrough": ("sidecar", "nginx"), "mirrored": ("sidecar+mirror", "nginx+mirror"),
           "mirrored, full compares": ("sidecar+mirror~", "nginx+mirror")}  # fmt: skip
+
+
+def record(raw: dict[str, dict[int, list[dict[str, float]]]], name: str, c: int, r: dict[str, float],
+           before: tuple[float, float], after: tuple[float, float], n: float, console: Console) -> None:  # fmt: skip
+    """Add one measurement with its CPU per request (the proxy's and Triton's, from CPU seconds before and after
+    over `n` requests) and print it."""
+    r["proxy_cpu_us"] = (after[0] - before[0]) / n * 1e6
+    r["triton_cpu_us"] = (after[1] - before[1]) / n * 1e6
+    raw.setdefault(name, {}).setdefault(c, []).append(r)
+    console.print(f"{name:15s} c={c:<3d} {r['rps']:8.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 "
+                  f"{r['p99_ms']:.3f} ms  cpu/req proxy {r['proxy_cpu_us']:.0f} us, triton "
+                  f"{r['triton_cpu_us']:.0f} us")  # fmt: skip
 
 
 def paired_ratios(
