@@ -37,6 +37,10 @@ def test_minilm_int8_is_rejected_keepffn_wins_and_serves_in_triton(
     raw["search"]["routes"] = "-opt=all -fusion=bert -quant=[int8-channel-keepffn|int8-channel] -threads=1"
     raw["objective"]["min_speedup"] = 1.0
     raw["bench"].update(repeats=6, e2e_requests=8)
+    # 2,000 gate requests: the FFN-kept route misses on 0.5% of the spec's declared requests with AVX512-VNNI
+    # but on about 2% on an AVX2 CPU without it, where 500 requests cannot bound that rate under the 4% budget
+    # (upper bound 4.7% at 10 of 503); 2,000 bound it near 2.9%.
+    raw["gate"]["samples"] = 2000
     spec = parse_spec(raw, ROOT / "specs" / "minilm.toml")
 
     result = tune(spec, progress=False)
@@ -54,7 +58,7 @@ def test_minilm_int8_is_rejected_keepffn_wins_and_serves_in_triton(
     )  # its worst request is out of tolerance
     assert kept.status == "passed", kept.accuracy
     good = kept.accuracy["rate"]
-    assert good["n"] == n and good["upper"] <= budget and good["rate"] < budget / 4, good
+    assert good["n"] == n and good["upper"] <= budget and good["rate"] < budget / 1.5, good
     assert kept.accuracy["checks_passed"] is True
     assert (rejected.speedup or 0) > 1.0  # the gate exists for exactly this: faster, and wrong
 
