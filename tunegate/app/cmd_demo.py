@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--load-s",
         type=float,
-        default=250.0,
+        default=150.0,
         help="longest canary load replay; it stops once the canary decides",
     )
     p.add_argument("--users", type=int, default=6, help="Locust users")
@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="share of requests allowed outside the live tolerance, above the A/A noise floor "
         "(default: the strict spec's [gate].oot_budget, the gate's own budget)",
     )
-    p.add_argument("--deadline-s", type=float, default=240.0, help="canary deadline (no clear answer: pin)")
+    p.add_argument("--deadline-s", type=float, default=140.0, help="canary deadline (no clear answer: pin)")
     p.add_argument("--quick", action="store_true", help="only serve the baseline and print one embedding")
     p.add_argument("--text", default="Triton serves the baseline while tunegate judges the candidate.")
     p.add_argument("--json", action="store_true", help="machine-readable output")

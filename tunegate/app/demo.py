@@ -70,13 +70,13 @@ class DemoOptions:
     capture_s: float = (
         120.0  # longest live replay before tuning; stops once the capture holds the gate's samples
     )
-    load_s: float = 250.0  # longest Locust replay of the canary; stops early once the canary decides
+    load_s: float = 150.0  # longest Locust replay of the canary; stops early once the canary decides
     users: int = 6
     # Live traffic during the canary, requests per second: what the mirror keeps up with on two cores.
     # A saturated mirror drops copies, and the ones it keeps are biased toward slow (large) requests.
     canary_rate: float = 10.0
     min_samples: int = 300
-    deadline_s: float = 240.0
+    deadline_s: float = 140.0
     sample_rate: float = 1.0
     # Share of requests allowed outside the strict per-request tolerance, above the A/A noise floor.
     # None: the strict spec's [gate].oot_budget, so the canary and the gate judge by the same budget
