@@ -62,7 +62,7 @@ def pct(values: Sequence[float], q: float) -> float:
     return float(np.quantile(np.asarray(values), q)) if values else float("nan")
 
 
-async def direct_latency(session: aiohttp.ClientSession, url: str, model: str, n: int) -> dict[str, float]:
+async def direct_latency(client: aiohttp.ClientSession, url: str, model: str, n: int) -> dict[str, float]:
     """p50 of each version straight from Triton, one request at a time, versions interleaved."""
     rng = np.random.default_rng(1)
     lat: dict[str, list[float]] = {"1": [], "2": []}
@@ -70,7 +70,7 @@ async def direct_latency(session: aiohttp.ClientSession, url: str, model: str, n
         v = "1" if i % 2 == 0 else "2"
         body, headers = infer_body(rng)
         t0 = time.perf_counter()
-        async with session.post(
+        async with client.post(
             f"{url}/v2/models/{model}/versions/{v}/infer", data=body, headers=headers
         ) as r:
             await r.read()
@@ -79,11 +79,11 @@ async def direct_latency(session: aiohttp.ClientSession, url: str, model: str, n
     return {f"v{v}_p50_ms": statistics.median(x[n // 5 :]) * 1e3 for v, x in lat.items()}
 
 
-async def run_canary(session: aiohttp.ClientSession, sidecar_url: str, model: str, mode: str, args: argparse.Namespace,
+async def run_canary(client: aiohttp.ClientSession, sidecar_url: str, model: str, mode: str, args: argparse.Namespace,
                      ) -> dict[str, Any]:  # fmt: skip
     auth = {"Authorization": f"Bearer {TOKEN}"}
     params = {"candidate": 2, "deadline_s": args.deadline_s, "latency_pairing": mode}
-    async with session.post(f"{sidecar_url}/canary/{model}", json=params, headers=auth) as r:
+    async with client.post(f"{sidecar_url}/canary/{model}", json=params, headers=auth) as r:
         st = await r.json()
         if r.status != 201:
             raise RuntimeError(f"canary start for {model}: {r.status} {st}")
@@ -94,14 +94,12 @@ async def run_canary(session: aiohttp.ClientSession, sidecar_url: str, model: st
     interval = args.clients / args.rate if args.rate > 0 else 0.0
     give_up = time.monotonic() + args.deadline_s + 30
 
-    async def client() -> None:
+    async def one_client() -> None:
         nxt = time.monotonic()
         while not stop.is_set() and time.monotonic() < give_up:
             body, headers = infer_body(rng)
             t0 = time.perf_counter()
-            async with session.post(
-                f"{sidecar_url}/v2/models/{model}/infer", data=body, headers=headers
-            ) as r:
+            async with client.post(f"{sidecar_url}/v2/models/{model}/infer", data=body, headers=headers) as r:
                 await r.read()
             latencies.append(time.perf_counter() - t0)
             codes[r.status] = codes.get(r.status, 0) + 1
@@ -112,13 +110,13 @@ async def run_canary(session: aiohttp.ClientSession, sidecar_url: str, model: st
     async def watch() -> None:
         while not stop.is_set() and time.monotonic() < give_up:
             await asyncio.sleep(0.25)
-            async with session.get(f"{sidecar_url}/canary/{model}", headers=auth) as r:
+            async with client.get(f"{sidecar_url}/canary/{model}", headers=auth) as r:
                 if (await r.json())["state"] in ("promoted", "pinned"):
                     stop.set()
         stop.set()
 
-    await asyncio.gather(watch(), *(client() for _ in range(args.clients)))
-    async with session.get(f"{sidecar_url}/canary/{model}/decisions", headers=auth) as r:
+    await asyncio.gather(watch(), *(one_client() for _ in range(args.clients)))
+    async with client.get(f"{sidecar_url}/canary/{model}/decisions", headers=auth) as r:
         recs = (await r.json())["decisions"]
     if not recs:
         raise RuntimeError(f"{model}: no decision within {args.deadline_s + 30:.0f} s")
@@ -209,8 +207,8 @@ async def bench(args: argparse.Namespace, repo: Path, work: Path) -> dict[str, A
     hogs = [multiprocessing.Process(target=hog, args=(stop,), daemon=True) for _ in range(args.hogs)]
     runs: list[dict[str, Any]] = []
     with EmbeddedTriton(TritonOptions(repository=repo, models=("calib",)), workdir=work / "triton") as triton:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            calibration = await direct_latency(session, triton.http_url, "calib", 300)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
+            calibration = await direct_latency(client, triton.http_url, "calib", 300)
             # v1 does the baseline's work, v2 none: the work's share of the latency sizes the slower candidate's work
             total, bare = calibration.pop("v1_p50_ms"), calibration.pop("v2_p50_ms")
             slow_work = round(args.work * (1 + (args.slowdown - 1) * total / max(total - bare, 1e-3)))
@@ -238,7 +236,7 @@ async def bench(args: argparse.Namespace, repo: Path, work: Path) -> dict[str, A
                         name = names[key]
                         await asyncio.to_thread(triton.load, name)
                         try:
-                            r = await run_canary(session, sc.url, name, key[1], args)
+                            r = await run_canary(client, sc.url, name, key[1], args)
                         except Exception:
                             log((work / "state" / "sidecar.log").read_text(errors="replace")[-4000:])
                             raise

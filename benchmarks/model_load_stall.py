@@ -44,8 +44,8 @@ from tunegate.triton import EmbeddedTriton, TritonOptions
 METHODS = ("none", "http", "grpc")
 
 
-async def _control_http(session: aiohttp.ClientSession, base: str, action: str, model: str) -> None:
-    async with session.post(f"{base}/v2/repository/models/{model}/{action}") as r:
+async def _control_http(client: aiohttp.ClientSession, base: str, action: str, model: str) -> None:
+    async with client.post(f"{base}/v2/repository/models/{model}/{action}") as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {action} {model}: {r.status} {await r.text()}")
 
