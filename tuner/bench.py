@@ -1,7 +1,8 @@
 """Latency benchmark in this process: warm-up, repeated timed runs per shape, median with a bootstrap CI, p95.
 
 Candidates are timed paired with the baseline (alternating runs), and the speedup is taken
-within the pair.
+within the pair. `speedup_lower` bounds it from below: a route wins on a speedup it shows with
+confidence, not on a point estimate that noise can lift over the bar.
 
 Build seconds are never mixed in here (the search records them apart). `objective` reduces the
 per-shape stats to the one number routes are ranked by (lower is better for every metric: the
@@ -15,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from tuner.builders.base import Runner
 from tuner.inputs import BenchShape
@@ -36,6 +38,7 @@ def stats(times_s: Sequence[float], *, bootstrap: int, seed: int = 0, rows: int 
         "min_ms": float(t.min()),
         "rows": rows,
         "samples_per_s": float(rows * 1000.0 / t.mean()),
+        "times_ms": [round(float(x), 4) for x in t],  # kept for the paired bound (`speedup_lower`)
     }
 
 
@@ -102,3 +105,44 @@ def objective(
 
 def speedup(baseline_objective: float, candidate_objective: float) -> float:
     return baseline_objective / candidate_objective if candidate_objective > 0 else 0.0
+
+
+def _shape_statistic(times_ms: npt.NDArray[np.float64], metric: str, rows: int) -> npt.NDArray[np.float64]:
+    """The objective's per-shape number over the last axis (resampled runs): what `objective` reads."""
+    if metric == "throughput":
+        return np.asarray(times_ms.mean(axis=-1) / rows)  # ms per sample = 1000 / samples_per_s
+    q = 95.0 if metric == "p95" else 50.0
+    return np.asarray(np.percentile(times_ms, q, axis=-1))
+
+
+def speedup_lower(
+    candidate: Mapping[str, Mapping[str, Any]],
+    baseline: Mapping[str, Mapping[str, Any]],
+    shapes: Sequence[BenchShape],
+    obj: ObjectiveSection,
+    *,
+    confidence: float,
+    bootstrap: int,
+    seed: int = 0,
+) -> float | None:
+    """One-sided lower confidence bound of the speedup, from runs timed alternately (`bench_paired`).
+
+    Each resample draws run indices per shape and keeps a candidate run with the baseline run timed beside
+    it, so load drift that slows both cancels in the ratio, as it does in the point estimate. None when the
+    runs were not kept (a record from before they were).
+    """
+    chosen = [s for s in shapes if not obj.batch_sizes or s.batch in obj.batch_sizes] or list(shapes)
+    rng = np.random.default_rng(seed)
+    num = np.zeros(bootstrap)
+    den = np.zeros(bootstrap)
+    for s in chosen:
+        tc = candidate.get(s.key, {}).get("times_ms")
+        tb = baseline.get(s.key, {}).get("times_ms")
+        if not tc or not tb or len(tc) != len(tb):
+            return None
+        c, b = np.asarray(tc, dtype=np.float64), np.asarray(tb, dtype=np.float64)
+        idx = rng.integers(0, c.size, size=(bootstrap, c.size))
+        num += s.weight * _shape_statistic(b[idx], obj.metric, s.batch)
+        den += s.weight * _shape_statistic(c[idx], obj.metric, s.batch)
+    ratios = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+    return float(np.quantile(ratios, 1.0 - confidence))

@@ -136,6 +136,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speedup_cell(r: Any) -> str:
+    if r.speedup is None:
+        return "—"
+    return f"{r.speedup:.2f}x" + (f" (>= {r.speedup_lower:.2f}x)" if r.speedup_lower is not None else "")
+
+
 def _print_summary(result: Any) -> None:
     from rich.table import Table
 
@@ -154,7 +160,7 @@ def _print_summary(result: Any) -> None:
         table.add_row(
             escape(r.route),
             f"[{colors.get(r.status, 'white')}]{r.status}[/]",
-            f"{r.speedup:.2f}x" if r.speedup is not None else "—",
+            _speedup_cell(r),
             f"{r.objective_ms:.2f}" if r.objective_ms is not None else "—",
             f"{r.build_seconds:.1f}" if r.build_seconds is not None else "—",
             escape(gate[:160]),

@@ -152,7 +152,7 @@ def write_report(
             "<tr>"
             f"<td><code>{html.escape(r['route'])}</code></td><td>{html.escape(r.get('stage', ''))}</td>"
             f"<td style='color:{COLORS.get(r.get('status', ''), '#000')}'>{html.escape(r.get('status', ''))}</td>"
-            f"<td>{_fmt(r.get('objective_ms'))}</td><td>{_fmt(r.get('speedup'))}</td>"
+            f"<td>{_fmt(r.get('objective_ms'))}</td><td>{_fmt(r.get('speedup'))}</td><td>{_fmt(r.get('speedup_lower'))}</td>"
             f"<td>{_fmt(r.get('build_seconds'), 1)}</td>{_rate_cells(r)}<td>{html.escape(str(acc))[:400]}</td>"
             "</tr>"
         )
@@ -183,7 +183,7 @@ baseline version {_fmt(baseline.get("version"))} at {_fmt(baseline.get("objectiv
 per-request tolerance: {html.escape("; ".join(t.describe() for t in tolerance.tolerances))}{gate_text}</p>
 {verdict}
 {'<img alt="latency vs accuracy" src="data:image/png;base64,' + png + '">' if png else ""}
-<table><tr><th>route</th><th>stage</th><th>status</th><th>objective ms</th><th>speedup</th><th>build s</th>
+<table><tr><th>route</th><th>stage</th><th>status</th><th>objective ms</th><th>speedup</th><th>speedup, lower bound</th><th>build s</th>
 <th>out of tolerance</th><th>rate</th><th>upper bound</th><th>accuracy / error</th></tr>
 {"".join(rows)}
 </table></body></html>

@@ -26,6 +26,7 @@ class RouteResult:
     objective_ms: float | None = None
     baseline_objective_ms: float | None = None  # the paired baseline runs'
     speedup: float | None = None
+    speedup_lower: float | None = None  # paired bootstrap bound at [objective].confidence
     latency: dict[str, Any] | None = None
     accuracy: dict[str, Any] | None = None
     artifact: str | None = None
@@ -66,6 +67,7 @@ class TuneResult:
             "version": self.version,
             "version_path": str(self.version_path) if self.version_path else None,
             "speedup": self.winner.speedup if self.winner else None,
+            "speedup_lower": self.winner.speedup_lower if self.winner else None,
             "reason": self.reason,
             "stopped_by_budget": self.stopped_by_budget,
             "report": str(self.report_path),

@@ -95,7 +95,8 @@ def samples_needed(budget: float, confidence: float) -> int:
 class ObjectiveSection:
     metric: str = "p50"
     batch_sizes: tuple[int, ...] = ()  # () = every shape of the distribution
-    min_speedup: float = 1.05  # a winner must beat the baseline by at least this factor
+    min_speedup: float = 1.05  # a winner must beat the baseline by at least this factor ...
+    confidence: float = 0.95  # ... shown by the paired lower bound of its speedup at this confidence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +329,10 @@ def parse_spec(raw: Mapping[str, Any], path: Path) -> TuneSpec:
     objective = _section(ObjectiveSection, ob, f"{where}: [objective]", batch_sizes=tuple(bs) if bs else None)
     _choice("[objective].metric", objective.metric, OBJECTIVE_METRICS)
     _positive("[objective].min_speedup", objective.min_speedup)
+    if not 0.5 <= objective.confidence < 1.0:
+        raise SpecError(
+            f"{where}: [objective].confidence must be within [0.5, 1), got {objective.confidence}"
+        )
     declared_batches = {s.batch for s in inputs.shapes}
     missing = sorted(set(objective.batch_sizes) - declared_batches) if inputs.source == "declared" else []
     if missing:

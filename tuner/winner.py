@@ -115,6 +115,8 @@ def write_winner(
         # ... and alone, once, at the start of the search
         "baseline_alone": {"objective_ms": baseline["objective_ms"], "per_shape": baseline["latency"]},
         "speedup": winner.speedup,
+        "speedup_lower": winner.speedup_lower,  # paired bootstrap bound at objective.confidence
+        "confidence": spec.objective.confidence,
     }
     if winner.route in e2e:
         latency["triton"] = {

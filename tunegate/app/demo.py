@@ -239,6 +239,7 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
                         f"  gate {r.status:8s} {r.route}: {rate['k']}/{rate['n']} out of tolerance, upper bound "
                         f"{100 * rate['upper']:.2f}% vs {100 * rate['budget']:g}%"
                         + (f", {r.speedup:.2f}x" if r.speedup is not None else "")
+                        + (f" (>= {r.speedup_lower:.2f}x)" if r.speedup_lower is not None else "")
                     )
             gate_rate = dict((result.winner.accuracy or {}).get("rate") or {}) if result.winner else {}
             summary: dict[str, Any] = {
@@ -253,6 +254,7 @@ def run_demo(opts: DemoOptions, step: Step = lambda _msg: None) -> dict[str, Any
                         "route": r.route,
                         "status": r.status,
                         "speedup": r.speedup,
+                        "speedup_lower": r.speedup_lower,
                         "rate": (r.accuracy or {}).get("rate"),
                     }
                     for r in result.routes
