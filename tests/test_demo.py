@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tuner.release import RELEASE_KEYS
+
 pytestmark = [pytest.mark.slow, pytest.mark.triton, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,7 +68,16 @@ def test_good_scenario_promotes_a_faster_route_within_tolerance(
     assert (
         ev["out_of_tolerance"] / ev["compared"] < budget / 2
     )  # live, as in the gate: well within the budget
-    check_tuned_on_the_sidecars_capture(s, run)
+    release = check_tuned_on_the_sidecars_capture(s, run)
+    # the written version: the route as built (six fused attention blocks, each layer's two projections kept
+    # fp32), served by the embedded Triton before the canary with exactly the in-process outputs
+    assert set(RELEASE_KEYS) <= set(release)
+    assert "keepffn" in release["route"] and release["builder_notes"]["fused"]["Attention"] == 6
+    assert (
+        len(release["builder_notes"]["kept_fp32"]) == 12
+    )  # layer.0..5: output/dense, attention/output/dense
+    assert release["latency"]["triton"]["candidate"]["max_abs_diff_vs_in_process"] == 0.0
+    assert release["latency"]["speedup_lower"] >= release["spec"]["objective"]["min_speedup"]
     # the promotion is on disk: Triton restarted from this repository serves the candidate
     cfg = (run / "model_repository" / "minilm" / "config.pbtxt").read_text()
     assert f"versions: [ {s['candidate']} ]" in cfg
