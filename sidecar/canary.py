@@ -14,6 +14,7 @@ import asyncio
 import bisect
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import random
@@ -365,6 +366,14 @@ class CanaryManager:
                     raise CanaryError(f"{model} version {candidate} has no release.json with a tolerance; "
                                       "pass an explicit 'tolerance' in the start request")  # fmt: skip
                 spec = ToleranceSpec.from_dict(tol_raw)
+                serving = await asyncio.to_thread(self.control.serving_config, model, candidate)
+                if params.latency_pairing == "shadow" and serving is not None:
+                    # The shadow serves its baseline replays with the candidate's serving configuration too:
+                    # shadow pairing would compare that configuration with itself. Paired with the client's
+                    # own request instead, on the live model as it serves now.
+                    params = dataclasses.replace(params, latency_pairing="primary")
+                    LOG.info("%s v%d changes the serving configuration: latency paired with the client's request",
+                             model, candidate)  # fmt: skip
             except (ConfigError, ToleranceError) as exc:
                 raise CanaryError(str(exc)) from exc
             except ControlError as exc:

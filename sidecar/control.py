@@ -7,6 +7,10 @@ a symlink `C -> ../<m>/C`. Promotion goes in two phases: policy [B, C] and reloa
 old config is restored and reloaded, so the baseline serves); the sidecar switches its routing to C
 and waits for its requests to B; then policy [C] and reload, which unloads B.
 
+A candidate whose release.json carries a serving configuration (tunegate.serving: instances, batching) is
+served with it by the shadow; promotion writes it into the model's config and keeps the config the baseline
+served with beside it (`.config-v<B>.pbtxt`), which a rollback to B restores.
+
 Loads and unloads go through Triton's gRPC repository API when `upstream_grpc` is set. Triton's HTTP server
 answers a repository load inside an HTTP worker thread (the load call blocks until the model is ready), and
 HTTP clients wait for the whole load: on a CPU Triton, during a 2 s load every one of 16 keep-alive clients
@@ -32,6 +36,7 @@ from tunegate import pbtxt
 from tunegate.errors import ServiceError
 from tunegate.records import atomic_write_text, fsync_dir
 from tunegate.repository import parse_version_policy, set_version_policy
+from tunegate.serving import Serving, ServingError, saved_config_name
 
 LOG = logging.getLogger(__name__)
 SHADOW_SUFFIX = "__canary"
@@ -106,14 +111,44 @@ class TritonControl:
             raise ControlError(f"{path} must hold a JSON object")
         return data
 
+    def serving_config(self, model: str, version: int) -> Serving | None:
+        """The serving configuration a version's release.json asks for (`"serving"`), or None."""
+        release = self.release(model, version)
+        raw = (release or {}).get("serving")
+        if not raw:
+            return None
+        try:
+            serving = Serving.from_dict(raw)
+        except ServingError as exc:
+            raise ControlError(
+                f"{model} version {version}: release.json's serving configuration: {exc}"
+            ) from exc
+        return None if serving.empty else serving
+
+    def _with_serving(self, model: str, text: str, serving: Serving | None) -> str:
+        if serving is None:
+            return text
+        try:
+            return serving.apply(text)
+        except ServingError as exc:
+            raise ControlError(
+                f"{model}: the candidate's serving configuration does not apply: {exc}"
+            ) from exc
+
+    def saved_config(self, model: str, version: int) -> Path:
+        """The config that served `version` before a release changed the model's serving configuration."""
+        return self.repository / model / saved_config_name(version)
+
     def write_shadow(self, model: str, candidate: int, baseline: int | None = None) -> Path:
         """Lay out `<m>__canary/` (staged, then renamed into place); replaces a stale one.
 
         With `baseline`, the shadow serves that version too: baseline replays then run on an instance that,
-        like the candidate's, takes no client traffic (shadow latency pairing).
+        like the candidate's, takes no client traffic (shadow latency pairing). A candidate whose release
+        changes the serving configuration is served with it (instances, batching): the shadow carries it.
         """
         versions = sorted({candidate} | ({baseline} if baseline is not None else set()))
-        config = set_version_policy(_rename_model(self.read_config(model), shadow_name(model)), versions)
+        text = self._with_serving(model, self.read_config(model), self.serving_config(model, candidate))
+        config = set_version_policy(_rename_model(text, shadow_name(model)), versions)
         dest = self.repository / shadow_name(model)
         staging = Path(tempfile.mkdtemp(prefix=f".{shadow_name(model)}.", dir=self.repository))
         try:
@@ -256,7 +291,12 @@ class TritonControl:
         if parse_version_policy(text) == (candidate,) and await self.ready(model, candidate):
             return
         old = set_version_policy(text, [baseline])
-        both = set_version_policy(text, sorted({baseline, candidate}))
+        serving = await asyncio.to_thread(self.serving_config, model, candidate)
+        if serving is not None and parse_version_policy(text) == (baseline,):
+            # The configuration the baseline served with, for a rollback to it (not rewritten by a redo,
+            # whose config already holds the candidate's serving configuration).
+            await asyncio.to_thread(atomic_write_text, self.saved_config(model, baseline), old)
+        both = set_version_policy(self._with_serving(model, text, serving), sorted({baseline, candidate}))
         await asyncio.to_thread(atomic_write_text, self.config_path(model), both)
         try:
             await self.load(model)
@@ -292,7 +332,13 @@ class TritonControl:
         if parse_version_policy(text) == (target,) and await self.ready(model, target):
             return
         old = set_version_policy(text, [current])
-        both = set_version_policy(text, sorted({target, current}))
+        base = text
+        saved = self.saved_config(model, target)
+        if saved.exists():  # the target served with another serving configuration: it comes back with it
+            base = await asyncio.to_thread(saved.read_text)
+            if parse_version_policy(text) == (current,):
+                await asyncio.to_thread(atomic_write_text, self.saved_config(model, current), old)
+        both = set_version_policy(base, sorted({target, current}))
         await asyncio.to_thread(atomic_write_text, self.config_path(model), both)
         try:
             await self.load(model)

@@ -43,8 +43,12 @@ MODELS: dict[str, dict[int, dict[str, Any]]] = {
     "rbkill": {2: {}},
     "rbfail": {2: {}},
     "rbret": {v: {} for v in range(2, 7)},
+    "rbserve": {2: {"delay_ms": 2}},  # version 1's model, released with another serving configuration
 }
 BASELINES = {"rbload": {"delay_ms": 2, "load_s": 1.0, "unload_s": 1.0}}
+
+
+SERVING = {"instances": 2}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +56,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("rollback-repo")
     for name, cands in MODELS.items():
         add_model(repo, name, cands, baseline=BASELINES.get(name))
+    release = repo / "rbserve" / "2" / "release.json"
+    release.write_text(json.dumps({**json.loads(release.read_text()), "serving": SERVING}))
     return repo
 
 
@@ -402,3 +408,48 @@ def test_retention_rule_and_setting() -> None:
         with pytest.raises(ConfigError, match="retain_versions"):
             SidecarConfig(**where, retain_versions=bad)
     assert SidecarConfig(**where).retain_versions == 3
+
+
+async def instances(client: aiohttp.ClientSession, triton: EmbeddedTriton, model: str) -> int:
+    """The instance count of `model` as Triton serves it now (its loaded config, not the file)."""
+    async with client.get(f"{triton.http_url}/v2/models/{model}/config") as r:
+        assert r.status == 200, await r.text()
+        return int(sum(g["count"] for g in (await r.json())["instance_group"]))
+
+
+async def test_a_serving_release_is_canaried_promoted_and_rolled_back_with_its_configuration(
+    triton: EmbeddedTriton, repo: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """A version released with two instances: the shadow serves it so, promotion applies it to the model and
+    rollback restores the baseline's one instance, while 6 clients send infers the whole time: none fails."""
+    state_dir = tmp_path / "state"
+    running, url = await start_sidecar(triton, repo, state_dir)
+    try:
+        assert await instances(client, triton, "rbserve") == 1
+        code, st = await admin(client, "POST", f"{url}/canary/rbserve", {"candidate": 2, **NEVER})
+        assert code == 201, st
+        # Shadow pairing would replay the baseline on the shadow, which serves the candidate's configuration.
+        assert st["canary"]["params"]["latency_pairing"] == "primary", st["canary"]["params"]
+        assert await instances(client, triton, "rbserve__canary") == 2
+        assert await instances(client, triton, "rbserve") == 1  # clients' model untouched before promotion
+
+        load = Load(client, url, "rbserve", concurrency=6, rows=64)
+        await asyncio.sleep(0.5)
+        code, st = await admin(client, "POST", f"{url}/canary/rbserve/promote")
+        assert code == 200 and st["live"] == 2, (st, [(r["outcome"], r["reasons"]) for r in records(state_dir)])
+        await asyncio.sleep(0.5)
+        assert await instances(client, triton, "rbserve") == 2 and policy(repo, "rbserve") == (2,)
+        saved = (repo / "rbserve" / ".config-v1.pbtxt").read_text()  # what served v1, for the rollback
+        assert parse_version_policy(saved) == (1,) and "count: 1" in saved
+
+        code, st = await admin(client, "POST", f"{url}/canary/rbserve/rollback", {"reason": "serving test"})
+        assert code == 200 and st["live"] == 1, st
+        await asyncio.sleep(0.5)
+        await load.finish()
+        statuses = [s for _, _, s, _ in load.seen]
+        assert set(statuses) == {200} and len(statuses) > 50, {c: statuses.count(c) for c in set(statuses)}
+        assert await instances(client, triton, "rbserve") == 1 and policy(repo, "rbserve") == (1,)
+        assert {v for sent, _, _, v in load.seen if sent > load.seen[-1][0] - 0.3} == {"1"}
+        assert [r["outcome"] for r in records(state_dir)] == ["promote", "rollback"]
+    finally:
+        await running.close()
