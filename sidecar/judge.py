@@ -515,7 +515,7 @@ class _Look:
         self.stats["memory"] = {"candidate_bytes": cand or None, "baseline_bytes": base or None, "ratio": ratio,
                                 "max_ratio": limit}  # fmt: skip
         if ratio is not None and ratio > limit:
-            self.pin.append(f"candidate takes more memory: {cand / 2**20:.1f} MiB against the baseline's "
+            self.pin.append(f"candidate takes more memory per instance: {cand / 2**20:.1f} MiB against the baseline's "
                             f"{base / 2**20:.1f} MiB (ratio {ratio:.2f} > allowed {limit:.2f})")  # fmt: skip
 
     def throughput(self) -> None:

@@ -10,7 +10,9 @@ With shadow latency pairing the shadow model `<m>__canary` serves the candidate 
 versions, each in instances of its own (`<m>__canary/<C>/model.py`, `<m>__canary/<B>/model.py`); with
 primary pairing the baseline is `<m>/<B>/model.py`. A version's memory is the sum over its instances:
 resident memory (VmRSS in /proc/<pid>/status) on CPU; where nvidia-smi lists the processes, their GPU
-memory, which is then the figure judged when both versions have some.
+memory, which is then the figure judged when both versions have some. The judged figure is per instance
+(the sum over the version's stub processes divided by their number), so a release that changes the instance
+count is judged on what each instance takes; the totals are in the details.
 
 Backends that run inside the tritonserver process (TensorRT, ONNX Runtime, ...) have no process per
 version, and a sidecar on another host or in another PID namespace than Triton sees none: memory is
@@ -179,10 +181,14 @@ class MemoryProbe:
             stubs = self._stubs.get(role, [])
             sizes = [rss_bytes(s.pid, self.proc) for s in stubs]
             d: dict[str, Any] = {"model": model, "version": version, "processes": len(stubs)}
+            # Judged per instance: a release that serves with more instances takes more memory in total by
+            # design (its release says so); an engine that takes more per instance is what the check is for.
             if stubs and all(v is not None for v in sizes):
-                rss[role] = d["rss_bytes"] = float(sum(v for v in sizes if v is not None))
+                d["rss_bytes"] = float(sum(v for v in sizes if v is not None))
+                rss[role] = d["rss_bytes"] / len(stubs)
             if gpu is not None and stubs:
-                on_gpu[role] = d["gpu_bytes"] = float(sum(gpu.get(s.pid, 0) for s in stubs))
+                d["gpu_bytes"] = float(sum(gpu.get(s.pid, 0) for s in stubs))
+                on_gpu[role] = d["gpu_bytes"] / len(stubs)
             detail[role] = d
         kind, figures = (
             ("gpu", on_gpu) if on_gpu and all(on_gpu.get(r, 0) > 0 for r in self.targets) else ("rss", rss)
