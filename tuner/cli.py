@@ -1,4 +1,4 @@
-"""`tunegate tune SPEC` and `tunegate routes SPEC`: the tuner's command line (registered in tunegate/app/cli.py).
+"""`tunegate tune SPEC`, `tunegate tune-serving SPEC` and `tunegate routes SPEC`: the tuner's command line (registered in tunegate/app/cli.py).
 
 Exit codes: 0 done (a winner written, or a clear "no winner"), 1 the search could not run
 (backend or server failure), 2 bad spec, bad route expression or a cache that cannot be resumed.
@@ -14,12 +14,15 @@ from typing import Any
 from rich.markup import escape
 
 from tunegate.console import CliError, emit_json, err, out
+from tunegate.serving import ServingError
 from tunegate.triton import TritonError
 from tuner.builders import BuildError
 from tuner.cache import CacheError
 from tuner.inputs import InputsError
 from tuner.routes import RouteError
 from tuner.search import TuneError, plan, tune
+from tuner.serving import plan as serving_plan
+from tuner.serving import tune_serving
 from tuner.spec import STRATEGIES, SpecError, load_spec
 
 
@@ -47,6 +50,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--no-write", action="store_true", help="search and report, but write no version")
     t.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     t.set_defaults(func=cmd_tune)
+
+    sv = sub.add_parser(
+        "tune-serving",
+        help="search Triton's serving configuration (instances, batching) of a version; write the winner as a "
+        "new version whose release carries it",
+    )
+    sv.add_argument("spec", type=Path, help="tuning spec with a [serving] table, e.g. specs/minilm.toml")
+    sv.add_argument(
+        "--version", type=int, default=None, help="the version whose files are served (default: live)"
+    )
+    sv.add_argument("--routes", default=None, metavar="EXPR", help="override [serving].routes")
+    sv.add_argument("--no-write", action="store_true", help="measure and report, but write no version")
+    sv.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    sv.set_defaults(func=cmd_tune_serving)
 
     r = sub.add_parser(
         "routes", help="list a spec's knobs (allowed values, default, help) and the routes a strategy runs"
@@ -133,6 +150,47 @@ def cmd_tune(args: argparse.Namespace) -> int:
         emit_json(result.summary())
         return 0
     _print_summary(result)
+    return 0
+
+
+def cmd_tune_serving(args: argparse.Namespace) -> int:
+    try:
+        spec = load_spec(args.spec)
+        if args.routes is not None:
+            spec = dataclasses.replace(spec, serving=dataclasses.replace(spec.serving, routes=args.routes))
+        serving_plan(spec)  # a bad route expression fails before any work
+    except (SpecError, RouteError) as exc:
+        raise CliError(str(exc)) from exc
+    note = (lambda _m: None) if args.json else (lambda m: err.print(escape(m)))
+    try:
+        result, version, path = tune_serving(spec, args.version, write=not args.no_write, note=note)
+    except InputsError as exc:
+        raise CliError(str(exc)) from exc
+    except (TuneError, TritonError, ServingError) as exc:
+        raise CliError(str(exc), code=1) from exc
+    summary = {**result.to_dict(), "written_version": version, "written_path": str(path) if path else None}
+    if args.json:
+        emit_json(summary)
+        return 0
+    from rich.table import Table
+
+    table = Table("route", "status", "throughput at objective (per round)", "ratio (median)", "gate",
+                  title=f"{spec.model.name} v{result.version}: serving routes")  # fmt: skip
+    for r in result.routes:
+        rate = (r.gate or {}).get("rate") or {}
+        table.add_row(
+            escape(r.route),
+            r.status,
+            ", ".join(f"{t:.1f}" for t in r.throughput) or escape(r.error or "—"),
+            f"{r.median_ratio:.2f}x" if r.median_ratio is not None else "—",
+            f"{rate.get('k')}/{rate.get('n')}" if rate else "—",
+        )
+    out.print(table)
+    if version is not None:
+        out.print(f"[bold green]winner[/] {escape(result.reason)}")
+        out.print(f"written as version {version}: {path} (served with it only after the canary promotes it)")
+    else:
+        out.print(f"[bold yellow]no winner[/]: {escape(result.reason)}; nothing written")
     return 0
 
 

@@ -124,6 +124,18 @@ def run_digests(spec: TuneSpec, baseline_dir: Path, versions_info: dict[str, Any
     }
 
 
+def reference_outputs(spec: TuneSpec, inputs: InputSet) -> gate.Outputs:
+    """The reference's outputs for every gate request: the source model as the spec's [reference] runs it."""
+    runtime = {
+        "session": {
+            "graph_optimization_level": spec.reference.graph_optimization_level,
+            "intra_op_num_threads": spec.reference.intra_op_num_threads,
+        },
+        "config_entries": {"session.intra_op.allow_spinning": "0"},
+    }
+    return gate.run_all(ort_runner(spec.model.source, runtime), inputs)
+
+
 def plan(spec: TuneSpec, strategy: str | None = None) -> dict[str, Any]:
     """What a search would run (no builds): knobs, the space and the routes of the first phase."""
     strategy = strategy or spec.search.strategy
@@ -406,14 +418,7 @@ def _tune(
         )
         inputs = make_inputs(spec.inputs, spec.model.source, spec.model.name, g.samples, g.needed)
         save_batches(spec.workdir / "calibration.npz", [dict(b.feeds) for b in inputs.gate])
-        ref_runtime = {
-            "session": {
-                "graph_optimization_level": spec.reference.graph_optimization_level,
-                "intra_op_num_threads": spec.reference.intra_op_num_threads,
-            },
-            "config_entries": {"session.intra_op.allow_spinning": "0"},
-        }
-        reference = gate.run_all(ort_runner(spec.model.source, ref_runtime), inputs)
+        reference = reference_outputs(spec, inputs)
 
         base_runtime = json.loads((baseline_dir / "runtime.json").read_text())
         base_runner = ort_runner(baseline_dir / base_runtime.get("artifact", "model.onnx"), base_runtime)

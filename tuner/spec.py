@@ -123,6 +123,22 @@ class SearchSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServingSection:
+    """Serving-configuration routes (tuner.serving): Triton's own knobs, measured on the real Triton."""
+
+    routes: str = ""  # e.g. "-instances=[1|2] -max_batch=[0|16] -queue_us=[off|500]"; "" = no serving search
+    strategy: str = "full"  # full | fast
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    latency_ms: float = (
+        0.0  # the objective: throughput with p95 within this; 0 = best throughput at any latency
+    )
+    window_ms: int = 2000  # perf_analyzer's measurement window (three per level)
+    rounds: int = 3  # each round measures every route, the model's own configuration first
+    min_gain: float = 1.1  # the median of the rounds' throughput ratios must reach this, every round above 1
+    requests: int = 256  # captured requests replayed (perf_analyzer --input-data), from the gate's
+
+
+@dataclasses.dataclass(frozen=True)
 class TuneSpec:
     path: Path
     model: ModelSection
@@ -136,6 +152,7 @@ class TuneSpec:
     workdir: Path
     raw: Mapping[str, Any]
     digest: str
+    serving: ServingSection = ServingSection()
 
     def with_search(self, **changes: Any) -> TuneSpec:
         """A copy with search settings overridden from the command line (the digest stays the spec's)."""
@@ -272,7 +289,18 @@ def parse_spec(raw: Mapping[str, Any], path: Path) -> TuneSpec:
     """Validate a loaded TOML document (exposed for tests); `path` anchors relative paths."""
     where = str(path)
     base = path.parent.resolve()
-    known = {"model", "reference", "inputs", "tolerance", "gate", "objective", "bench", "search", "output"}
+    known = {
+        "model",
+        "reference",
+        "inputs",
+        "tolerance",
+        "gate",
+        "objective",
+        "bench",
+        "search",
+        "serving",
+        "output",
+    }
     unknown = sorted(set(raw) - known)
     if unknown:
         raise SpecError(f"{where}: unknown tables {unknown} (known: {sorted(known)})")
@@ -358,6 +386,22 @@ def parse_spec(raw: Mapping[str, Any], path: Path) -> TuneSpec:
     if not 0 < search.halving_keep < 1:
         raise SpecError(f"{where}: [search].halving_keep must be within (0, 1)")
 
+    sv = _table(raw, "serving", where)
+    conc = sv.get("concurrency")
+    if conc is not None and (
+        not isinstance(conc, list) or not conc or not all(isinstance(c, int) and 1 <= c <= 1024 for c in conc)
+    ):
+        raise SpecError(
+            f"{where}: [serving].concurrency must be a non-empty array of integers within 1..1024"
+        )
+    serving = _section(ServingSection, sv, f"{where}: [serving]", concurrency=tuple(conc) if conc else None)
+    if conc:
+        serving = dataclasses.replace(serving, concurrency=tuple(sorted(set(conc))))
+    _choice("[serving].strategy", serving.strategy, ("full", "fast"))
+    _positive("[serving].latency_ms", serving.latency_ms, allow_zero=True)
+    for key in ("window_ms", "rounds", "min_gain", "requests"):
+        _positive(f"[serving].{key}", getattr(serving, key))
+
     out = _table(raw, "output", where)
     if sorted(set(out) - {"workdir"}):
         raise SpecError(f"{where}: [output] has unknown keys {sorted(set(out) - {'workdir'})}")
@@ -368,7 +412,19 @@ def parse_spec(raw: Mapping[str, Any], path: Path) -> TuneSpec:
     )
     digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()
     return TuneSpec(
-        path, model, reference, inputs, tolerance, gate, objective, bench, search, workdir, raw, digest
+        path,
+        model,
+        reference,
+        inputs,
+        tolerance,
+        gate,
+        objective,
+        bench,
+        search,
+        workdir,
+        raw,
+        digest,
+        serving,
     )
 
 
