@@ -113,3 +113,19 @@ def test_the_onnxruntime_builder_defaults_are_the_baseline_runtime() -> None:
         "inter_op_num_threads": 2,
         "execution_mode": "parallel",
     }
+
+
+def test_expressions_read_as_trtexec_reads_them() -> None:
+    knobs = (
+        Knob("kgen:codegen:cuda_tile", ("0", "1", "2", "3"), "1", ""),
+        Knob("copy_ppg", ("on", "off"), "on", ""),
+    )
+    expected = {"kgen:codegen:cuda_tile": ("0", "2"), "copy_ppg": ("off",)}
+    for expression in (
+        "-kgen:codegen:cuda_tile=[0|2] -copy_ppg=off",  # --tuneBuildRoutes
+        "-kgen:codegen:cuda_tile=[0|2]\n-copy_ppg=off\n",  # --tuneBuildRouteFile, a token a line
+        "  -kgen:codegen:cuda_tile=[ 0 | 2 ]\t-copy_ppg=off ",  # blanks inside brackets are trimmed
+    ):
+        assert parse_space(knobs, expression) == expected
+    with pytest.raises(RouteError, match=re.escape("cannot read '-copy_ppg=[on|off'")):
+        parse_space(knobs, "-copy_ppg=[on|off")

@@ -6,6 +6,12 @@
 the first listed value of each sweep and changes one knob at a time. A route's canonical
 string lists every knob in the builder's order (`-fusion=bert -opt=all -quant=fp32 ...`), so the
 same route always has the same string (the cache key and release.json's "route").
+
+The syntax is trtexec's `--setBuildRoute` / `--tuneBuildRoutes` syntax (TensorRT's sampleTuning.cpp):
+tokens split on white space outside brackets (a `--tuneBuildRouteFile`'s one token a line reads the same),
+a knob name is everything between the dash and the first `=` (`-kgen:codegen:cuda_tile=[0|1]`), and the
+values inside brackets are trimmed (`-k=[a | b]`). Stricter than trtexec: an empty value (`[a||b]`) or a
+knob named twice is an error here.
 Everything here is pure: tested on data, no builds.
 """
 
@@ -18,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from tunegate.errors import InputError
 
-_TOKEN = re.compile(r"^-(?P<knob>[A-Za-z][A-Za-z0-9_.]*)=(?P<value>\[[^\]]*\]|[^\s\[\]|]+)$")
+_TOKEN = re.compile(r"^-(?P<knob>[^\s=\[\]|]+)=(?P<value>\[[^\[\]]*\]|[^\s\[\]|]+)$")
 
 
 class RouteError(InputError):
@@ -73,30 +79,55 @@ def parse_route(knobs: Sequence[Knob], text: str) -> Route:
     return make_route(knobs, {k: vs[0] for k, vs in space.items()})
 
 
-def parse_space(knobs: Sequence[Knob], expression: str) -> dict[str, tuple[str, ...]]:
-    """Knob name -> values to try, for every knob (unnamed knobs: their default only)."""
-    by_name = {k.name: k for k in knobs}
+def tokens(expression: str) -> list[str]:
+    """The expression's tokens: split on white space outside brackets, as trtexec's tokenizer does."""
+    out: list[str] = []
+    current: list[str] = []
+    depth = 0
+    for c in expression:
+        if c.isspace() and depth == 0:
+            if current:
+                out.append("".join(current))
+                current = []
+            continue
+        depth += (c == "[") - (c == "]")
+        current.append(c)
+    if current:
+        out.append("".join(current))
+    return out
+
+
+def read_expression(expression: str) -> dict[str, tuple[str, ...]]:
+    """Knob name -> the values the expression lists, in the order written (syntax only, no knob checked)."""
     chosen: dict[str, tuple[str, ...]] = {}
-    for token in expression.split():
+    for token in tokens(expression):
         m = _TOKEN.match(token)
         if not m:
             raise RouteError(f"cannot read {token!r}: expected -knob=value or -knob=[a|b]")
         name, raw = m.group("knob"), m.group("value")
-        if name not in by_name:
-            raise RouteError(f"unknown knob -{name} (knobs: {', '.join('-' + k.name for k in knobs)})")
         if name in chosen:
             raise RouteError(f"-{name} appears twice in the route expression")
-        values = tuple(raw[1:-1].split("|")) if raw.startswith("[") else (raw,)
+        values = tuple(v.strip() for v in raw[1:-1].split("|")) if raw.startswith("[") else (raw,)
         if not values or any(not v for v in values):
             raise RouteError(f"-{name}={raw}: empty value")
         if len(set(values)) != len(values):
             raise RouteError(f"-{name}={raw}: a value is listed twice")
+        chosen[name] = values
+    return chosen
+
+
+def parse_space(knobs: Sequence[Knob], expression: str) -> dict[str, tuple[str, ...]]:
+    """Knob name -> values to try, for every knob (unnamed knobs: their default only)."""
+    by_name = {k.name: k for k in knobs}
+    chosen = read_expression(expression)
+    for name, values in chosen.items():
+        if name not in by_name:
+            raise RouteError(f"unknown knob -{name} (knobs: {', '.join('-' + k.name for k in knobs)})")
         for v in values:
             if v not in by_name[name].values:
                 raise RouteError(
                     f"-{name}={v}: not an allowed value (allowed: {'|'.join(by_name[name].values)})"
                 )
-        chosen[name] = values
     return {k.name: chosen.get(k.name, (k.default,)) for k in knobs}
 
 

@@ -141,21 +141,18 @@ def plan(spec: TuneSpec, strategy: str | None = None) -> dict[str, Any]:
     strategy = strategy or spec.search.strategy
     builder = get_builder(spec.search.backend)
     ok, why = builder.available()
-    space = parse_space(builder.knobs, spec.search.routes)
-    first = (
-        fast_routes(builder.knobs, space)
-        if strategy in ("fast", "mixed")
-        else full_routes(builder.knobs, space)
-    )
+    knobs = builder.route_knobs(spec.search.routes)
+    space = parse_space(knobs, spec.search.routes)
+    first = fast_routes(knobs, space) if strategy in ("fast", "mixed") else full_routes(knobs, space)
     return {
         "backend": builder.name,
         "available": ok,
         "why": why,
         "strategy": strategy,
-        "knobs": builder.describe_knobs(),
+        "knobs": [k.to_dict() for k in knobs],
         "space": {k: list(v) for k, v in space.items()},
         "routes": [route_string(r) for r in first],
-        "full_size": len(full_routes(builder.knobs, space)),
+        "full_size": len(full_routes(knobs, space)),
         "note": {
             "fast": "base route plus one knob changed at a time",
             "full": "Cartesian product of the space",
@@ -310,7 +307,8 @@ def _winners(results: list[RouteResult], min_speedup: float) -> list[RouteResult
 
 
 def _strategy(search: _Search, strategy: str) -> list[RouteResult]:
-    spec, knobs = search.spec, search.builder.knobs
+    spec = search.spec
+    knobs = search.builder.route_knobs(spec.search.routes)
     space = parse_space(knobs, spec.search.routes)
     reps = spec.bench.repeats
     if strategy == "full":
@@ -356,7 +354,7 @@ def tune(
     ok, why = builder.available()
     if not ok:
         raise TuneError(f"backend {builder.name} cannot run here: {why}")
-    parse_space(builder.knobs, spec.search.routes)  # a bad expression fails before any work
+    parse_space(builder.route_knobs(spec.search.routes), spec.search.routes)  # fails before any work
     baseline_version, baseline_dir = find_baseline(spec)
     spec.workdir.mkdir(parents=True, exist_ok=True)
     with _exclusive(spec.workdir):

@@ -108,6 +108,10 @@ class Builder(abc.ABC):
         """(True, versions) when the toolchain can run here, else (False, why)."""
         return True, ""
 
+    def route_knobs(self, expression: str) -> tuple[Knob, ...]:
+        """The knobs a route expression is read against: `knobs`, unless the builder learns more from its tool."""
+        return self.knobs
+
     def route_problem(self, route: Mapping[str, str]) -> str | None:
         """Why a route makes no sense for this builder (it is then skipped), or None."""
         return None
@@ -126,6 +130,3 @@ class Builder(abc.ABC):
 
     def tool_versions(self) -> dict[str, str]:
         return {}
-
-    def describe_knobs(self) -> list[dict[str, object]]:
-        return [k.to_dict() for k in self.knobs]

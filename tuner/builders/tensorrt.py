@@ -1,26 +1,38 @@
 """The TensorRT 11 builder, written against the real TensorRT Python API (`import tensorrt as trt`).
 
-Where `tensorrt` cannot be imported (a CPU-only machine, or the PyPI `tensorrt-*-libs` wheels, which
-are placeholders that download the libraries from NVIDIA's index at install time), `available()` says
-so and the builder contributes no route; there is no fake `tensorrt` module anywhere. On a GPU host with TensorRT 11 it builds
-`model.plan` for Triton's `platform: "tensorrt_plan"`.
+Where `tensorrt` cannot be imported, `available()` says why and the builder contributes no route: either
+there is no module named tensorrt (a CPU-only machine; PyPI's `tensorrt-*-libs` wheels are placeholders that
+download the libraries from NVIDIA's index at install time), or the package is there but broken (a library it
+loads, libnvinfer or CUDA, is missing or of the wrong version), and the message says which. There is no fake
+`tensorrt` module anywhere. On a GPU host with TensorRT 11 it builds `model.plan` for Triton's
+`platform: "tensorrt_plan"`.
 
 Knobs:
-  opt_level    IBuilderConfig.builder_optimization_level        0..5
-  tiling       IBuilderConfig.tiling_optimization_level         none|fast|moderate|full
-  build_route  IBuilderConfig.build_route                       default | rN = the N-th of
-               config.all_build_routes (the routes exist only at build time, so knob values index them)
+  opt_level    IBuilderConfig.builder_optimization_level   0..5 (trtexec --builderOptimizationLevel)
+  tiling       IBuilderConfig.tiling_optimization_level    none|fast|moderate|full = TilingOptimizationLevel
+               NONE..FULL, 0..3 (trtexec --tilingOptimizationLevel)
+  -<knob>      any knob of TensorRT's Global Performance Tuning database (`IBuilderConfig.all_build_routes`,
+               `trtexec --helpBuildRoute`), named as TensorRT names it: `-kgen:codegen:cuda_tile=[0|1|2|3]`.
+               The database is read where TensorRT runs, so these knobs exist only there; the ones a
+               route names go, in the order named, into `IBuilderConfig.build_route`.
   timing_cache [search.options].timing_cache: a file shared by all builds (loaded, extended, saved back)
 
-API names confirmed against the TensorRT 11.4 C++ reference (IBuilderConfig::getAllBuildRoutes,
-getBuildRoute, setBuilderOptimizationLevel, setTilingOptimizationLevel, createTimingCache). The
-Python spellings `config.build_route` and `config.all_build_routes` follow the bindings' usual
-property naming and could not be confirmed here from a Python reference page.
+A trtexec route (`--setBuildRoute="-match_ragged_mha=off"`) or sweep (`--tuneBuildRoutes="-copy_ppg=[on|off]"`)
+is a tunegate route expression as it stands. The route tunegate writes to release.json is `-opt_level=N
+-tiling=L` and then the build route itself; `builder_notes` keeps `build_route` (the string given to
+`IBuilderConfig.build_route`, which `trtexec --setBuildRoute` takes) and `trtexec` (the flags that build the
+same route: the two levels are trtexec flags of their own, not build-route knobs). Unlike trtexec's `fast`, which starts from each knob's
+database default, tunegate's starts from each sweep's first value: write the default first to get trtexec's
+routes. The property and method names, the formats and the trtexec flags are in
+`tuner.builders.trt_routes`, with where each was read; `builder_optimization_level` and
+`tiling_optimization_level` are properties of IBuilderConfig in python/src/infer/pyCore.cpp of TensorRT 11.1
+OSS. The builder is tested up to the TensorRT boundary (route parsing, the knob database, the config calls on
+a stand-in with the documented attributes); no engine was built with it here.
 """
 
 from __future__ import annotations
 
-import contextlib
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,18 +42,73 @@ import numpy.typing as npt
 
 from tunegate.records import atomic_write_bytes
 from tuner.builders.base import Artifact, BuildContext, Builder, BuildError, Runner
-from tuner.routes import Knob
+from tuner.builders.trt_routes import KnobDatabase, parse_build_route
+from tuner.routes import Knob, RouteError, read_expression
 
 UNAVAILABLE = (
-    "the tensorrt Python package is not installed (TensorRT 11 needs an NVIDIA GPU host; the PyPI -libs "
-    "wheels are placeholders that download the libraries from NVIDIA's index)"
+    "the tensorrt Python package is not installed (no module named tensorrt; TensorRT 11 needs an NVIDIA GPU "
+    "host; the PyPI -libs wheels are placeholders that download the libraries from NVIDIA's index)"
 )
+STATIC_KNOBS = ("opt_level", "tiling")
+TILING_LEVELS = {"none": 0, "fast": 1, "moderate": 2, "full": 3}  # TilingOptimizationLevel (NvInfer.h)
 
 
 def _trt() -> Any:
     import tensorrt as trt
 
     return trt
+
+
+def import_failure(exc: BaseException) -> str:
+    """Why `import tensorrt` failed: not installed, or installed and broken (and how)."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name == "tensorrt":
+        return UNAVAILABLE
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        how = f"the module {exc.name} it imports is missing"
+    elif isinstance(exc, OSError) or ".so" in str(exc) or ".dll" in str(exc):
+        how = "a library it loads (libnvinfer, CUDA) is missing or of the wrong version"
+    else:
+        how = "its import failed"
+    return f"the tensorrt package is installed but cannot be imported: {how} ({type(exc).__name__}: {exc})"
+
+
+def _all_build_routes(config: Any) -> str:
+    routes = getattr(config, "all_build_routes", None)
+    if not isinstance(routes, str):
+        raise BuildError(
+            "this TensorRT has no IBuilderConfig.all_build_routes (Global Performance Tuning came with 11.1)"
+        )
+    return routes
+
+
+def configure(config: Any, route: Mapping[str, str], tiling_levels: Any) -> dict[str, str]:
+    """Apply `route` to an IBuilderConfig; returns the builder notes (the build route it set, trtexec's flags).
+
+    `tiling_levels` is `trt.TilingOptimizationLevel`. Database knobs are checked against the config's own
+    `all_build_routes`, set as one `build_route` string and read back.
+    """
+    opt_level, tiling = route.get("opt_level", "3"), route.get("tiling", "none")
+    config.builder_optimization_level = int(opt_level)
+    config.tiling_optimization_level = getattr(tiling_levels, tiling.upper())
+    named = {k: v for k, v in route.items() if k not in STATIC_KNOBS}
+    notes = {"build_route": ""}
+    if named:
+        database = KnobDatabase.from_json(_all_build_routes(config))
+        try:
+            text = database.build_route(named)
+            config.build_route = text
+            back = str(config.build_route)
+            taken = parse_build_route(back) == parse_build_route(text)
+        except RouteError as exc:
+            raise BuildError(str(exc)) from exc
+        if not taken:
+            raise BuildError(f"TensorRT did not take the build route {text!r}: build_route reads {back!r}")
+        notes.update(build_route=text, tuner_version=database.tuner_version)
+    flags = [f"--builderOptimizationLevel={opt_level}", f"--tilingOptimizationLevel={TILING_LEVELS[tiling]}"]
+    if notes["build_route"]:
+        flags.append(f"--setBuildRoute={notes['build_route']}")
+    notes["trtexec"] = shlex.join(flags)
+    return notes
 
 
 class TensorRTBuilder(Builder):
@@ -59,35 +126,55 @@ class TensorRTBuilder(Builder):
             "none",
             "tiling_optimization_level (L2 cache tiling search)",
         ),
-        Knob(
-            "build_route",
-            ("default", *(f"r{i}" for i in range(8))),
-            "default",
-            "config.build_route: default, or rN = the N-th entry of config.all_build_routes",
-        ),
     )
+
+    def __init__(self, database: KnobDatabase | None = None) -> None:
+        self._database = database
 
     def available(self) -> tuple[bool, str]:
         try:
             trt = _trt()
-        except ModuleNotFoundError as exc:
-            if exc.name != "tensorrt":  # tensorrt is there, something it needs is not
-                return False, f"tensorrt cannot be imported: {exc}"
-            return False, UNAVAILABLE
-        except ImportError as exc:  # a library it loads (libnvinfer, CUDA) is missing or the wrong version
-            return False, f"tensorrt cannot be imported: {exc}"
+        except (ImportError, OSError) as exc:
+            return False, import_failure(exc)
         major = int(str(trt.__version__).split(".")[0])
         if major < 11:
-            return (
-                False,
-                f"TensorRT {trt.__version__} is installed; this builder needs TensorRT 11 (build routes)",
-            )
+            return False, f"TensorRT {trt.__version__} is installed; this builder needs TensorRT 11"
         return True, f"tensorrt {trt.__version__}"
 
+    def knob_database(self) -> KnobDatabase:
+        """TensorRT's knob database, from a fresh IBuilderConfig (read once); BuildError where there is none."""
+        if self._database is None:
+            ok, why = self.available()
+            if not ok:
+                raise BuildError(why)
+            trt = _trt()
+            config = trt.Builder(trt.Logger(trt.Logger.WARNING)).create_builder_config()
+            self._database = KnobDatabase.from_json(_all_build_routes(config))
+        return self._database
+
+    def route_knobs(self, expression: str) -> tuple[Knob, ...]:
+        """opt_level and tiling, then the database knobs the expression names (in the order named)."""
+        named = {k: v for k, v in read_expression(expression).items() if k not in STATIC_KNOBS}
+        if not named:
+            return self.knobs
+        try:
+            database = self.knob_database()
+        except BuildError as exc:
+            first = next(iter(named))
+            raise RouteError(
+                f"-{first} is a TensorRT knob and TensorRT's knob database is not here: {exc}"
+            ) from exc
+        return self.knobs + database.knobs_for(named)
+
     def tool_versions(self) -> dict[str, str]:
-        with contextlib.suppress(ImportError):
-            return {"tensorrt": str(_trt().__version__)}
-        return {}
+        try:
+            trt = _trt()
+        except (ImportError, OSError):
+            return {}
+        versions = {"tensorrt": str(trt.__version__)}
+        if self._database is not None:
+            versions["tensorrt_tuner"] = self._database.tuner_version
+        return versions
 
     def build(self, source: Path, route: Mapping[str, str], out: Path, ctx: BuildContext) -> Artifact:
         trt = _trt()
@@ -100,20 +187,7 @@ class TensorRTBuilder(Builder):
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
             raise BuildError(f"ONNX parser: {errors}")
         config = builder.create_builder_config()
-        config.builder_optimization_level = int(route.get("opt_level", "3"))
-        config.tiling_optimization_level = {
-            "none": trt.TilingOptimizationLevel.NONE,
-            "fast": trt.TilingOptimizationLevel.FAST,
-            "moderate": trt.TilingOptimizationLevel.MODERATE,
-            "full": trt.TilingOptimizationLevel.FULL,
-        }[route.get("tiling", "none")]
-        chosen = route.get("build_route", "default")
-        if chosen != "default":
-            routes = list(config.all_build_routes)
-            idx = int(chosen[1:])
-            if idx >= len(routes):
-                raise BuildError(f"build_route {chosen}: this TensorRT offers {len(routes)} routes: {routes}")
-            config.build_route = routes[idx]
+        notes = configure(config, route, trt.TilingOptimizationLevel)
         self._profile(builder, network, config, ctx)
         cache_path = ctx.options.get("timing_cache")
         cache = config.create_timing_cache(
@@ -126,7 +200,7 @@ class TensorRTBuilder(Builder):
         (out / "model.plan").write_bytes(bytes(plan))
         if cache_path:
             atomic_write_bytes(Path(cache_path), bytes(config.get_timing_cache().serialize()))
-        meta = {"build_route": chosen, "layers": network.num_layers}
+        meta = {**notes, "layers": network.num_layers}
         return Artifact(
             out, "tensorrt-plan", "model.plan", {"format": "tensorrt-plan", "artifact": "model.plan"}, meta
         )
