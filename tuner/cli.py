@@ -186,9 +186,12 @@ def cmd_tune_serving(args: argparse.Namespace) -> int:
             f"{rate.get('k')}/{rate.get('n')}" if rate else "—",
         )
     out.print(table)
-    if version is not None:
+    if result.winner is not None:
         out.print(f"[bold green]winner[/] {escape(result.reason)}")
-        out.print(f"written as version {version}: {path} (served with it only after the canary promotes it)")
+        if version is not None:
+            out.print(f"written as version {version}: {path} (served so only after the canary promotes it)")
+        else:
+            out.print("not written: --no-write")
     else:
         out.print(f"[bold yellow]no winner[/]: {escape(result.reason)}; nothing written")
     return 0
