@@ -436,7 +436,10 @@ async def test_a_serving_release_is_canaried_promoted_and_rolled_back_with_its_c
         load = Load(client, url, "rbserve", concurrency=6, rows=64)
         await asyncio.sleep(0.5)
         code, st = await admin(client, "POST", f"{url}/canary/rbserve/promote")
-        assert code == 200 and st["live"] == 2, (st, [(r["outcome"], r["reasons"]) for r in records(state_dir)])
+        assert code == 200 and st["live"] == 2, (
+            st,
+            [(r["outcome"], r["reasons"]) for r in records(state_dir)],
+        )
         await asyncio.sleep(0.5)
         assert await instances(client, triton, "rbserve") == 2 and policy(repo, "rbserve") == (2,)
         saved = (repo / "rbserve" / ".config-v1.pbtxt").read_text()  # what served v1, for the rollback

@@ -3,14 +3,16 @@
 A serving route sets instance count, max_batch_size and the dynamic batcher's queue delay in the same route
 syntax as engine knobs (`-instances=[1|2] -max_batch=[same|16] -queue_us=[off|500]`; `same` keeps the
 model's own value). Each route serves one version's files (the baseline's, or a tuned version's) from a
-temporary repository on the embedded Triton, one configuration loaded at a time:
+temporary repository on the embedded Triton:
 
 1. the gate: every gate request (the captured mix) sent with the highest concurrency of the sweep, so the
    batcher does batch them, and the answers judged against the reference by the engine routes' gate;
-2. the load: perf_analyzer replays the captured requests (`--input-data`) at each concurrency level; the
-   route's figure is its throughput at the objective (the best level whose p95 is within `latency_ms`).
+2. the load: the captured requests replayed as they are (tunegate.perf.replay: closed loop, each request with
+   its own batch and shape) at each concurrency level; the route's figure is its throughput at the objective
+   (the best level whose p95 is within `latency_ms`).
 
-Rounds alternate: each measures every route, the model's own configuration first, and a route's ratio is
+Every configuration stays loaded from its gate to the end (idle ones take memory, not CPU), and rounds
+alternate: each measures every route, the model's own configuration first, and a route's ratio is
 taken against that round's own configuration, so drift in machine load hits both alike. A route wins when it
 passes the gate, every round's ratio is above 1 and their median reaches `min_gain`.
 
@@ -27,6 +29,7 @@ import datetime
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -134,18 +137,27 @@ def _served_outputs(address: str, model: str, inputs: InputSet, outputs: Sequenc
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
-    def one(feeds: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
-        with grpcclient.InferenceServerClient(address) as client:
-            ins = []
-            for name, arr in feeds.items():
-                inp = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
-                inp.set_data_from_numpy(np.ascontiguousarray(arr))
-                ins.append(inp)
-            res = client.infer(model, ins, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
-            return {o: res.as_numpy(o) for o in outputs}
+    local = threading.local()
+    clients: list[Any] = []
 
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:  # concurrent, so a dynamic batcher batches
-        return list(pool.map(one, [b.feeds for b in inputs.gate]))
+    def one(feeds: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
+        if not hasattr(local, "client"):
+            local.client = grpcclient.InferenceServerClient(address)
+            clients.append(local.client)
+        ins = []
+        for name, arr in feeds.items():
+            inp = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+            inp.set_data_from_numpy(np.ascontiguousarray(arr))
+            ins.append(inp)
+        res = local.client.infer(model, ins, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
+        return {o: res.as_numpy(o) for o in outputs}
+
+    try:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:  # concurrent, so a dynamic batcher batches
+            return list(pool.map(one, [b.feeds for b in inputs.gate]))
+    finally:
+        for c in clients:
+            c.close()
 
 
 def search_serving(
@@ -158,14 +170,12 @@ def search_serving(
 ) -> ServingResult:
     """Measure every serving route of `spec.serving` on `version_dir`'s files; see the module docstring."""
     t0 = time.monotonic()
-    ok, why = perf.available()
-    if not ok:
-        raise ServingError(f"the serving search measures with perf_analyzer: {why}")
     s = spec.serving
     model = spec.model.name
     config_text = (spec.model.repository / model / "config.pbtxt").read_text()
     outputs = list(reference[0])
     rows = [ServingRoute(r, {}) for r in plan(spec)]
+    largest = max((int(np.asarray(next(iter(b.feeds.values()))).shape[0]) for b in inputs.gate), default=1)
     work = Path(tempfile.mkdtemp(prefix="serving-", dir=spec.workdir))
     try:
         repo = work / "repo"
@@ -179,13 +189,18 @@ def search_serving(
             except ServingError as exc:
                 row.status, row.error = "skipped", str(exc)
                 continue
+            if serving.max_batch_size and serving.max_batch_size < largest:
+                row.status = "skipped"
+                row.error = (f"max_batch_size {serving.max_batch_size} is below the largest captured request "
+                             f"(batch {largest}): Triton would refuse those requests")  # fmt: skip
+                continue
             name = f"{model}__serving{k}"
             write_version(repo, name, _files(version_dir), version=1)
             atomic_write_text(
                 repo / name / "config.pbtxt", set_version_policy(pbtxt.with_name(text, name), [1])
             )
             names[row.route] = name
-        data = perf.write_input_data(work / "requests.json", [b.feeds for b in inputs.gate[: s.requests]])
+        requests = [b.feeds for b in inputs.gate[: s.requests]]
         live = [r for r in rows if r.route in names]
         with EmbeddedTriton(TritonOptions(repository=repo), workdir=work / "triton") as server:
             for row in live:
@@ -196,25 +211,22 @@ def search_serving(
                     served = _served_outputs(server.grpc_address, name, inputs, outputs, max(s.concurrency))
                 except Exception as exc:  # noqa: BLE001 - a configuration Triton refuses fails alone
                     row.status, row.error = "failed", f"{type(exc).__name__}: {exc}"
-                    continue
-                finally:
                     _unload(server, name)
+                    continue
                 row.gate = gate.gate_evidence(reference, served, spec.tolerance, spec.gate, inputs)
                 row.status = "passed" if row.gate["passed"] else "rejected"
             measured = [r for r in live if r.status in ("passed", "rejected")]
             for rnd in range(s.rounds):
-                for row in measured:
+                for row in [r for r in measured if r.status != "failed"]:
                     note(f"round {rnd + 1}/{s.rounds}: {row.route} at concurrency {list(s.concurrency)}")
                     name = names[row.route]
                     try:
-                        server.load(name)
-                        levels = perf.sweep(server.grpc_address, name, s.concurrency, work / "pa",
-                                            input_data=data, window_ms=s.window_ms)  # fmt: skip
+                        levels = perf.replay(server.grpc_address, name, requests, s.concurrency,
+                                             window_s=s.window_ms / 1000)  # fmt: skip
                     except Exception as exc:  # noqa: BLE001
                         row.status, row.error = "failed", f"{type(exc).__name__}: {exc}"
-                        continue
-                    finally:
                         _unload(server, name)
+                        continue
                     row.levels.append([lv.to_dict() for lv in levels])
                     row.throughput.append(perf.throughput_at(levels, s.latency_ms))
                 own = measured[0].throughput[-1] if measured and measured[0].throughput else 0.0

@@ -132,7 +132,7 @@ class ServingSection:
     latency_ms: float = (
         0.0  # the objective: throughput with p95 within this; 0 = best throughput at any latency
     )
-    window_ms: int = 2000  # perf_analyzer's measurement window (three per level)
+    window_ms: int = 3000  # how long each concurrency level is measured
     rounds: int = 3  # each round measures every route, the model's own configuration first
     min_gain: float = 1.1  # the median of the rounds' throughput ratios must reach this, every round above 1
     requests: int = 256  # captured requests replayed (perf_analyzer --input-data), from the gate's
