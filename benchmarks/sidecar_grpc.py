@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import csv
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -50,6 +49,7 @@ from sidecar_vs_nginx import NGINX_HEAD, build_repository, cpu_seconds, median_r
 from tritonclient.utils import InferenceServerException
 
 from sidecar.client import AdminClient, SidecarProcess, write_token_file
+from tunegate import perf
 from tunegate.triton import EmbeddedTriton, TritonOptions
 
 TOKEN = "benchmark-admin-token-0123456789"
@@ -84,15 +84,13 @@ def nginx(workdir: Path, triton_grpc_port: int, mirror: bool) -> Iterator[tuple[
 
 
 def perf_env() -> dict[str, str]:
-    try:
-        import nvidia.cuda_runtime as cr  # type: ignore[import-untyped]  # the wheel that carries libcudart.so.12
-    except ImportError as exc:
-        raise SystemExit("perf_analyzer needs libcudart.so.12: pip install nvidia-cuda-runtime-cu12") from exc
-    lib = next(str(Path(p) / "lib") for p in cr.__path__)
-    return {**os.environ, "LD_LIBRARY_PATH": lib + ":" + os.environ.get("LD_LIBRARY_PATH", "")}
+    ok, why = perf.available()
+    if not ok:
+        raise SystemExit(why)
+    return perf.env()
 
 
-PERF_ANALYZER = shutil.which("perf_analyzer") or str(Path(sys.executable).with_name("perf_analyzer"))
+PERF_ANALYZER = perf.executable()
 
 
 def perf_analyzer(address: str, model: str, concurrency: int, duration_s: float, work: Path,

@@ -5,11 +5,8 @@ from gRPC traffic alone and from HTTP and gRPC traffic together."""
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
-import shutil
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -30,7 +27,7 @@ from loadtest.runner import LoadOptions, run
 from sidecar.client import AdminClient, SidecarProcess, write_token_file
 from sidecar.control import shadow_name
 from tests.sidecar_models import FAST_PARAMS, TOKEN, add_model
-from tunegate import codec, grpc_codec
+from tunegate import codec, grpc_codec, perf
 from tunegate.capture import read_capture
 from tunegate.triton import EmbeddedTriton, TritonOptions
 
@@ -292,41 +289,20 @@ def test_a_slow_candidate_leaves_grpc_clients_latency_alone(
     assert during < before + 0.03, (before, during)
 
 
-PERF_ANALYZER = shutil.which("perf_analyzer") or str(Path(sys.executable).with_name("perf_analyzer"))
-
-
-def _cudart_dir() -> str | None:
-    try:
-        import nvidia.cuda_runtime as cr  # type: ignore[import-untyped]  # the PyPI wheel's libcudart.so.12
-    except ImportError:
-        return None
-    for p in cr.__path__:
-        if (Path(p) / "lib" / "libcudart.so.12").exists():
-            return str(Path(p) / "lib")
-    return None
-
-
 @pytest.mark.skipif(
-    not Path(PERF_ANALYZER).exists(), reason="perf_analyzer comes with the tritonclient wheel"
+    not perf.available()[0], reason=f"{perf.available()[1]} (.ci/run installs both libraries)"
 )
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_perf_analyzer_runs_through_the_sidecar(stack: tuple[EmbeddedTriton, SidecarProcess], protocol: str,
                                                 tmp_path: Path) -> None:  # fmt: skip
     """Triton's own load generator (a client nobody here wrote) through the sidecar: every request succeeds."""
     _, sc = stack
-    cudart = _cudart_dir()
-    if cudart is None or not any(
-        Path(d, "libb64.so.0d").exists() for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib")
-    ):
-        pytest.skip("perf_analyzer needs libb64.so.0d (Debian libb64-0d) and libcudart.so.12 "
-                    "(PyPI nvidia-cuda-runtime-cu12); .ci/run installs both")  # fmt: skip
-    env = {**os.environ, "LD_LIBRARY_PATH": cudart + ":" + os.environ.get("LD_LIBRARY_PATH", "")}
     url = sc.grpc_address if protocol == "grpc" else f"127.0.0.1:{sc.port}"
     out = tmp_path / "pa.csv"
     proc = subprocess.run(
-        [PERF_ANALYZER, "-m", "plain", "-i", protocol, "-u", url, "--shape", "x:2,4", "--concurrency-range", "2",
+        [perf.executable(), "-m", "plain", "-i", protocol, "-u", url, "--shape", "x:2,4", "--concurrency-range", "2",
          "--measurement-interval", "1500", "--stability-percentage", "100", "--max-trials", "3", "-f", str(out)],
-        capture_output=True, text=True, timeout=120, env=env, check=False,
+        capture_output=True, text=True, timeout=120, env=perf.env(), check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = out.read_text().splitlines()
