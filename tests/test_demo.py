@@ -70,13 +70,12 @@ def test_good_scenario_promotes_a_faster_route_within_tolerance(
     )  # live, as in the gate: well within the budget
     release = check_tuned_on_the_sidecars_capture(s, run)
     # the written version: the route as built (six fused attention blocks, each layer's two projections kept
-    # fp32), served by the embedded Triton before the canary with exactly the in-process outputs
+    # fp32), faster than the baseline by at least min_speedup at the speed bound's confidence. (That a written
+    # version serves its in-process outputs is test_tuner_search's, on the tiny model: the same template.)
     assert set(RELEASE_KEYS) <= set(release)
     assert "keepffn" in release["route"] and release["builder_notes"]["fused"]["Attention"] == 6
-    assert (
-        len(release["builder_notes"]["kept_fp32"]) == 12
-    )  # layer.0..5: output/dense, attention/output/dense
-    assert release["latency"]["triton"]["candidate"]["max_abs_diff_vs_in_process"] == 0.0
+    kept = release["builder_notes"]["kept_fp32"]
+    assert len(kept) == 12, kept  # layer.0..5: output/dense, attention/output/dense
     assert release["latency"]["speedup_lower"] >= release["spec"]["objective"]["min_speedup"]
     # the promotion is on disk: Triton restarted from this repository serves the candidate
     cfg = (run / "model_repository" / "minilm" / "config.pbtxt").read_text()
