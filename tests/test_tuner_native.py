@@ -25,11 +25,11 @@ from tuner.builders import Artifact, get_builder
 from tuner.builders.base import BuildContext
 from tuner.builders.ort import ort_runner
 from tuner.builders.worker import run_build
+from tuner.form import Form
 from tuner.inputs import make_inputs
 from tuner.release import RELEASE_KEYS
 from tuner.result import TuneError
 from tuner.search import find_baseline, tune
-from tuner.serving import Serving
 from tuner.spec import TuneSpec, load_spec
 
 X = np.random.default_rng(2).standard_normal((8, 16)).astype(np.float32)
@@ -150,7 +150,7 @@ def test_a_native_baseline_is_its_model_file_run_with_the_session_its_config_giv
     )
     version, version_dir = find_baseline(spec)
     assert version == 1 and sorted(p.name for p in version_dir.iterdir()) == ["model.onnx"]
-    runtime = Serving.read(config).baseline_runtime(version_dir)
+    runtime = Form.read(config).baseline_runtime(version_dir)
     assert runtime["artifact"] == "model.onnx" and runtime["config_entries"] == {}
     assert runtime["session"] == {
         "graph_optimization_level": "basic",

@@ -30,13 +30,13 @@ from tuner.builders.base import Runner, save_batches
 from tuner.builders.ort import ort_runner
 from tuner.builders.worker import BuildTimeout, run_build
 from tuner.cache import SearchCache
+from tuner.form import NATIVE_E2E_SKIPPED, Form
 from tuner.inputs import InputSet, make_inputs
 from tuner.progress import Reporter
 from tuner.release import tool_versions
 from tuner.report import write_report
 from tuner.result import RouteResult, TuneError, TuneResult, route_id
 from tuner.routes import Route, fast_routes, full_routes, mixed_routes, parse_space, route_string
-from tuner.serving import NATIVE_E2E_SKIPPED, Serving
 from tuner.spec import STRATEGIES, TuneSpec
 from tuner.winner import same_as_baseline, serve_finalists, write_winner
 
@@ -52,7 +52,7 @@ def find_baseline(spec: TuneSpec) -> tuple[int, Path]:
 
     A python-backend version has a runtime.json naming its model file and session settings; a native
     onnxruntime one is the model file alone (config.pbtxt's `default_model_filename`, else model.onnx),
-    run with the session settings config.pbtxt gives the onnxruntime backend (tuner.serving)."""
+    run with the session settings config.pbtxt gives the onnxruntime backend (tuner.form)."""
     model_dir = spec.model.repository / spec.model.name
     config = model_dir / "config.pbtxt"
     if not config.is_file():
@@ -62,7 +62,7 @@ def find_baseline(spec: TuneSpec) -> tuple[int, Path]:
     if not present:
         raise TuneError(f"{model_dir}: no baseline version directory (served: {list(served)})")
     v = max(present)
-    runtime = Serving.read(config).baseline_runtime(model_dir / str(v))
+    runtime = Form.read(config).baseline_runtime(model_dir / str(v))
     artifact = model_dir / str(v) / str(runtime.get("artifact", "model.onnx"))
     if not artifact.is_file():
         fix = (
@@ -101,7 +101,7 @@ def _tree_digest(paths: list[Path]) -> str:
 
 
 def run_digests(
-    spec: TuneSpec, baseline_dir: Path, versions_info: dict[str, Any], serving: Serving
+    spec: TuneSpec, baseline_dir: Path, versions_info: dict[str, Any], serving: Form
 ) -> dict[str, str]:
     """A digest of each thing a search's results depend on (tuner.cache.DIGEST_NAMES): `--continue` resumes only
     when all are the same."""
@@ -162,7 +162,7 @@ class _Search:
     def __init__(
         self,
         spec: TuneSpec,
-        serving: Serving,
+        serving: Form,
         builder: Builder,
         cache: SearchCache,
         inputs: InputSet,
@@ -338,7 +338,7 @@ def tune(
         raise TuneError(f"backend {builder.name} cannot run here: {why}")
     parse_space(builder.knobs, spec.search.routes)  # a bad expression fails before any work
     baseline_version, baseline_dir = find_baseline(spec)
-    serving = Serving.read(spec.model.repository / spec.model.name / "config.pbtxt")
+    serving = Form.read(spec.model.repository / spec.model.name / "config.pbtxt")
     serving.check(builder)
     spec.workdir.mkdir(parents=True, exist_ok=True)
     with _exclusive(spec.workdir):
@@ -368,7 +368,7 @@ def _exclusive(workdir: Path) -> Iterator[None]:
 
 def _tune(
     spec: TuneSpec,
-    serving: Serving,
+    serving: Form,
     builder: Builder,
     strategy: str,
     budget: float,

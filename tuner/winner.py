@@ -16,10 +16,10 @@ from tuner import gate
 from tuner.builders import Artifact, BuildContext, Builder, BuildError
 from tuner.builders.worker import run_build
 from tuner.e2e import run_e2e
+from tuner.form import NATIVE_E2E_SKIPPED, Form
 from tuner.inputs import InputSet
 from tuner.release import build_release, write_release
 from tuner.result import RouteResult, TuneError, route_id
-from tuner.serving import NATIVE_E2E_SKIPPED, Serving
 from tuner.spec import TuneSpec
 
 LOG = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def serve_finalists(
 
 def write_winner(
     spec: TuneSpec,
-    serving: Serving,
+    serving: Form,
     builder: Builder,
     winner: RouteResult,
     baseline: dict[str, Any],

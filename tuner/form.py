@@ -1,4 +1,4 @@
-"""What serves the model's versions, as its config.pbtxt says: the python backend or Triton's onnxruntime backend.
+"""What serves the model's versions, as its config.pbtxt says (its form): the python backend or Triton's onnxruntime backend.
 
   python       a version is model.onnx, runtime.json (its session settings) and model.py, which runs ONNX
                Runtime inside Triton's python backend; every knob of a route travels with the version.
@@ -41,12 +41,12 @@ NATIVE_E2E_SKIPPED = (
 
 
 @dataclasses.dataclass(frozen=True)
-class Serving:
+class Form:
     form: str  # release.json's `form`: python | onnxruntime (or the backend/platform config.pbtxt names)
     config_text: str
 
     @classmethod
-    def read(cls, config: Path) -> Serving:
+    def read(cls, config: Path) -> Form:
         text = config.read_text()
         return cls(version_form(text), text)
 
