@@ -16,10 +16,15 @@ from tunegate import models
 from tunegate.records import JsonlLog, atomic_write_json
 from tunegate.repository import (
     ModelConfig,
+    RepositoryError,
     TensorSpec,
     clean_staging,
+    native_artifact_name,
+    onnxruntime_backend_runtime,
+    onnxruntime_backend_settings,
     parse_version_policy,
     set_version_policy,
+    version_form,
     versions,
     write_config,
     write_native,
@@ -86,6 +91,32 @@ def test_native_forms(tmp_path: Path) -> None:
     trt = ModelConfig("p", cfg.inputs, cfg.outputs, form="tensorrt")
     path = write_native(tmp_path / "repo", trt, art)
     assert 'platform: "tensorrt_plan"' in path.read_text() and (tmp_path / "repo/p/1/model.plan").exists()
+
+
+def test_the_onnxruntime_backends_form_file_and_session_from_config_pbtxt() -> None:
+    assert version_form(models.tiny_config().pbtxt()) == "python"
+    assert (
+        version_form('platform: "onnxruntime_onnx"')
+        == version_form('backend: "onnxruntime"')
+        == "onnxruntime"
+    )
+    assert version_form('platform: "tensorrt_plan"') == "tensorrt"
+    text = 'backend: "onnxruntime"\ndefault_model_filename: "m.onnx"\noptimization { graph { level: 1 } }\n'
+    params = 'parameters { key: "%s" value: { string_value: "%s" } }\n'
+    text += params % ("execution_mode", "1") + params % ("inter_op_thread_count", "2")
+    runtime = onnxruntime_backend_runtime(text)
+    assert native_artifact_name(text) == runtime["artifact"] == "m.onnx" and runtime["config_entries"] == {}
+    assert runtime["session"] == {
+        "graph_optimization_level": "extended",
+        "intra_op_num_threads": 0,  # unset: ONNX Runtime's default
+        "inter_op_num_threads": 2,
+        "execution_mode": "parallel",
+    }
+    settings = onnxruntime_backend_settings(runtime["session"])
+    assert settings["optimization"] == {"graph": {"level": 1}}
+    assert settings["parameters"]["inter_op_thread_count"] == {"string_value": "2"}
+    with pytest.raises(RepositoryError, match="intra_op_thread_count"):
+        onnxruntime_backend_runtime(params % ("intra_op_thread_count", "four"))
 
 
 def test_jsonl_survives_a_torn_last_line(tmp_path: Path) -> None:

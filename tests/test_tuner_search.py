@@ -113,6 +113,10 @@ def test_the_gate_rejects_int8_keeps_fp32_and_the_written_version_serves_the_in_
 
     release = json.loads((result.version_path / "release.json").read_text())
     assert set(RELEASE_KEYS) <= set(release)
+    assert release["form"] == "python" and "serving" not in release
+    assert sorted(p.name for p in result.version_path.iterdir()) == [
+        "model.onnx", "model.py", "release.json", "runtime.json"
+    ]  # fmt: skip
     assert release["version"] == 2 and release["baseline_version"] == 1
     assert release["route"] == result.winner.route
     assert release["search"] == {

@@ -233,6 +233,17 @@ def write_config(repository: Path, config: ModelConfig) -> Path:
     return path
 
 
+NATIVE_ARTIFACTS = {"onnxruntime": "model.onnx", "tensorrt": "model.plan"}
+
+
+def native_version_files(form: str, artifact: Path, name: str | None = None) -> dict[str, Path | bytes | str]:
+    """Files of a native version (`form` onnxruntime or tensorrt): the artifact alone, under `name` (the config's
+    `default_model_filename`) or the backend's default name. Its session settings are the model's config.pbtxt's."""
+    if form not in NATIVE_ARTIFACTS:
+        raise RepositoryError(f"a native version is of form onnxruntime or tensorrt, not {form!r}")
+    return {name or NATIVE_ARTIFACTS[form]: Path(artifact)}
+
+
 def write_native(
     dest_repository: Path,
     config: ModelConfig,
@@ -241,14 +252,89 @@ def write_native(
     version: int = 1,
 ) -> Path:
     """Emit the production form of a version (native onnxruntime or TensorRT plan): artifact first, config last."""
-    if config.form == "onnxruntime":
-        name = "model.onnx"
-    elif config.form == "tensorrt":
-        name = "model.plan"
-    else:
-        raise RepositoryError("write_native writes the onnxruntime or tensorrt form")
-    write_version(dest_repository, config.name, {name: Path(artifact)}, version=version)
+    write_version(dest_repository, config.name, native_version_files(config.form, artifact), version=version)
     return write_config(dest_repository, config)
+
+
+def version_form(config_text: str) -> str:
+    """What serves a model's versions, from its config.pbtxt (Triton's protobuf): `python`, `onnxruntime`,
+    `tensorrt`, else the backend or platform named there."""
+    cfg = pbtxt.parse(config_text)
+    if cfg.backend == "onnxruntime" or cfg.platform == "onnxruntime_onnx":
+        return "onnxruntime"
+    if cfg.backend == "tensorrt" or cfg.platform == "tensorrt_plan":
+        return "tensorrt"
+    return str(cfg.backend or cfg.platform or "unknown")
+
+
+def native_artifact_name(config_text: str) -> str:
+    """The file Triton's onnxruntime or TensorRT backend loads from a version directory."""
+    cfg = pbtxt.parse(config_text)
+    return str(cfg.default_model_filename) or NATIVE_ARTIFACTS.get(version_form(config_text), "model.onnx")
+
+
+# `optimization { graph { level } }` as Triton's onnxruntime backend reads it (src/onnxruntime.cc): -1 basic,
+# 1 extended, 2 disable (recent backends; older ones read 2 as all), anything else (or none) all.
+ORT_BACKEND_GRAPH_LEVELS = {-1: "basic", 1: "extended", 2: "disable"}
+ORT_BACKEND_LEVEL_VALUES = {"basic": -1, "extended": 1, "disable": 2, "all": 0}
+
+
+def onnxruntime_backend_runtime(config_text: str) -> dict[str, Any]:
+    """The session settings Triton's onnxruntime backend gives every version of the model, read from its
+    config.pbtxt as the backend reads it, in the runtime-dict form ONNX Runtime in process takes
+    (tuner.builders.ort.session_options).
+
+    Not modelled (the backend on the serving host may differ here):
+      - the ONNX Runtime release: Triton links its own; in process it is the installed package;
+      - the execution provider: an instance of kind GPU (or with no instance_group on a host with a GPU) runs
+        CUDA, plus any `optimization { execution_accelerators }` (TensorRT, OpenVINO); in process it is CPU;
+      - thread counts left unset (or 0) are ONNX Runtime's defaults on the host that runs the session; with the
+        backend's global thread pool on (a backend option, not in config.pbtxt) the model's counts are ignored;
+      - memory options (enable_mem_arena, enable_mem_pattern, ...) are not applied: they do not change outputs.
+    The backend sets no `session.intra_op.allow_spinning` entry: intra-op threads spin (ONNX Runtime's default).
+    """
+    cfg = pbtxt.parse(config_text)
+    level = ORT_BACKEND_GRAPH_LEVELS.get(cfg.optimization.graph.level, "all")
+    params = {str(k): str(v.string_value) for k, v in cfg.parameters.items()}
+
+    def number(key: str) -> int:
+        value = params.get(key, "0").strip()
+        if not value.lstrip("-").isdigit():
+            raise RepositoryError(f"config.pbtxt parameter {key}: {value!r} is not a number")
+        return max(int(value), 0)
+
+    mode = number("execution_mode")
+    if mode not in (0, 1):
+        raise RepositoryError(f"config.pbtxt parameter execution_mode: {mode} is neither 0 nor 1")
+    return {
+        "format": "onnx",
+        "artifact": native_artifact_name(config_text),
+        "providers": ["CPUExecutionProvider"],
+        "session": {
+            "graph_optimization_level": level,
+            "intra_op_num_threads": number("intra_op_thread_count"),
+            "inter_op_num_threads": number("inter_op_thread_count"),
+            "execution_mode": "parallel" if mode == 1 else "sequential",
+        },
+        "config_entries": {},
+    }
+
+
+def onnxruntime_backend_settings(session: Mapping[str, Any]) -> dict[str, Any]:
+    """The config.pbtxt settings (in Triton's JSON config form) under which the onnxruntime backend runs a session
+    with these settings: the inverse of onnxruntime_backend_runtime for what it reads."""
+    parallel = session.get("execution_mode") == "parallel"
+    params = {
+        "execution_mode": "1" if parallel else "0",
+        "intra_op_thread_count": str(int(session.get("intra_op_num_threads", 0))),
+    }
+    if parallel:
+        params["inter_op_thread_count"] = str(int(session.get("inter_op_num_threads", 0)))
+    level = ORT_BACKEND_LEVEL_VALUES[str(session.get("graph_optimization_level", "all"))]
+    return {
+        "parameters": {k: {"string_value": v} for k, v in params.items()},
+        "optimization": {"graph": {"level": level}},
+    }
 
 
 def parse_version_policy(config_text: str) -> tuple[int, ...] | None:

@@ -1,7 +1,7 @@
 """Writing the winner: the next free version of the model, staged then renamed, with its release.json.
 
 release.json's top-level keys are a contract (the sidecar and the demo read them): model,
-version, route, knobs, spec, spec_digest, reference, tolerance (ToleranceSpec.to_dict()),
+version, route, knobs, form, spec, spec_digest, reference, tolerance (ToleranceSpec.to_dict()),
 inputs_digest, accuracy, gate (the out-of-tolerance rate over the gate's requests: k, n, rate,
 its lower and upper bounds, budget, confidence, and the pooled checks), latency, baseline_version,
 artifact_sha256, rebuild_identical, versions, build_seconds, created_at. config.pbtxt and existing versions are never touched: the
@@ -25,7 +25,7 @@ from tuner.builders.base import Artifact, Builder
 from tuner.spec import ReferenceSection, TuneSpec
 
 RELEASE_KEYS = (
-    "model", "version", "route", "knobs", "spec", "spec_digest", "reference", "tolerance", "inputs_digest",
+    "model", "version", "route", "knobs", "form", "spec", "spec_digest", "reference", "tolerance", "inputs_digest",
     "accuracy", "gate", "latency", "baseline_version", "artifact_sha256", "rebuild_identical", "versions",
     "build_seconds", "created_at",
 )  # fmt: skip
@@ -180,9 +180,9 @@ def gate_record(spec: TuneSpec, evidence: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def write_release(
-    spec: TuneSpec, builder: Builder, artifact: Artifact, release: dict[str, Any]
+    spec: TuneSpec, files: Mapping[str, Path | bytes | str], release: dict[str, Any]
 ) -> tuple[int, Path]:
-    """Stage the winner's files plus release.json and rename them to the next free version."""
+    """Stage the winner's version files plus release.json and rename them to the next free version."""
     model_dir = spec.model.repository / spec.model.name
 
     # The version number goes into release.json before staging; write_version retries the next
@@ -194,7 +194,7 @@ def write_release(
             version = write_version(
                 spec.model.repository,
                 spec.model.name,
-                builder.version_files(artifact),
+                files,
                 version=guess,
                 release=release,
             )

@@ -30,6 +30,7 @@ from tuner.builders.base import Runner, save_batches
 from tuner.builders.ort import ort_runner
 from tuner.builders.worker import BuildTimeout, run_build
 from tuner.cache import SearchCache
+from tuner.form import NATIVE_E2E_SKIPPED, Form
 from tuner.inputs import InputSet, make_inputs
 from tuner.progress import Reporter
 from tuner.release import tool_versions
@@ -47,7 +48,11 @@ class _BudgetSpent(Exception):
 
 
 def find_baseline(spec: TuneSpec) -> tuple[int, Path]:
-    """The version the model serves now (highest in config.pbtxt's specific policy, else the highest)."""
+    """The version the model serves now (highest in config.pbtxt's specific policy, else the highest).
+
+    A python-backend version has a runtime.json naming its model file and session settings; a native
+    onnxruntime one is the model file alone (config.pbtxt's `default_model_filename`, else model.onnx),
+    run with the session settings config.pbtxt gives the onnxruntime backend (tuner.form)."""
     model_dir = spec.model.repository / spec.model.name
     config = model_dir / "config.pbtxt"
     if not config.is_file():
@@ -57,15 +62,8 @@ def find_baseline(spec: TuneSpec) -> tuple[int, Path]:
     if not present:
         raise TuneError(f"{model_dir}: no baseline version directory (served: {list(served)})")
     v = max(present)
-    runtime_path = model_dir / str(v) / "runtime.json"
-    if not runtime_path.is_file():
-        raise TuneError(
-            f"{model_dir / str(v)}: no runtime.json; the tuner measures python-onnx baselines in process"
-        )
-    try:
-        artifact = model_dir / str(v) / json.loads(runtime_path.read_text()).get("artifact", "model.onnx")
-    except (ValueError, AttributeError) as exc:
-        raise TuneError(f"{runtime_path} is not a JSON object: {exc}") from exc
+    runtime = Form.read(config).baseline_runtime(model_dir / str(v))
+    artifact = model_dir / str(v) / str(runtime.get("artifact", "model.onnx"))
     if not artifact.is_file():
         fix = (
             "run `tunegate model prepare` first: it exports the demo model and installs it as version 1"
@@ -102,7 +100,9 @@ def _tree_digest(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def run_digests(spec: TuneSpec, baseline_dir: Path, versions_info: dict[str, Any]) -> dict[str, str]:
+def run_digests(
+    spec: TuneSpec, baseline_dir: Path, versions_info: dict[str, Any], serving: Form
+) -> dict[str, str]:
     """A digest of each thing a search's results depend on (tuner.cache.DIGEST_NAMES): `--continue` resumes only
     when all are the same."""
     source = Path(spec.model.source)
@@ -121,6 +121,9 @@ def run_digests(spec: TuneSpec, baseline_dir: Path, versions_info: dict[str, Any
         "baseline": _tree_digest([p for p in baseline_dir.iterdir() if p.is_file()]),
         "inputs": inputs,
         "tools": hashlib.sha256(json.dumps(versions_info, sort_keys=True, default=str).encode()).hexdigest(),
+        "serving": hashlib.sha256(
+            json.dumps([serving.form, serving.baseline_runtime(baseline_dir)], sort_keys=True).encode()
+        ).hexdigest(),
     }
 
 
@@ -168,6 +171,7 @@ class _Search:
     def __init__(
         self,
         spec: TuneSpec,
+        serving: Form,
         builder: Builder,
         cache: SearchCache,
         inputs: InputSet,
@@ -181,7 +185,7 @@ class _Search:
         self.reporter = reporter
         self.builds = spec.workdir / "builds"
         calib = spec.workdir / "calibration.npz"
-        self.ctx = BuildContext(options=spec.search.options, calibration=calib)
+        self.ctx = BuildContext(options=spec.search.options, calibration=calib, form=serving.form)
         self.stopped = False
 
     def build(self, route: Route, dest: Path) -> tuple[Artifact, float]:
@@ -356,6 +360,8 @@ def tune(
         raise TuneError(f"backend {builder.name} cannot run here: {why}")
     parse_space(builder.route_knobs(spec.search.routes), spec.search.routes)  # fails before any work
     baseline_version, baseline_dir = find_baseline(spec)
+    serving = Form.read(spec.model.repository / spec.model.name / "config.pbtxt")
+    serving.check(builder)
     spec.workdir.mkdir(parents=True, exist_ok=True)
     with _exclusive(spec.workdir):
         # A kill -9 leaves a temporary build directory, an e2e serving directory or a version's staging
@@ -364,8 +370,8 @@ def tune(
             shutil.rmtree(stale, ignore_errors=True)
         clean_staging(spec.model.repository / spec.model.name)
         return _tune(
-            spec, builder, strategy, budget, resume, progress, write, baseline_version, baseline_dir, t_start
-        )
+            spec, serving, builder, strategy, budget, resume, progress, write, baseline_version, baseline_dir,
+            t_start)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -384,6 +390,7 @@ def _exclusive(workdir: Path) -> Iterator[None]:
 
 def _tune(
     spec: TuneSpec,
+    serving: Form,
     builder: Builder,
     strategy: str,
     budget: float,
@@ -404,7 +411,7 @@ def _tune(
         "budget_s": budget,
         "routes": spec.search.routes,
         "versions": versions_info,
-        "digests": run_digests(spec, baseline_dir, versions_info),
+        "digests": run_digests(spec, baseline_dir, versions_info, serving),
     }
     cache = SearchCache.open(spec.workdir / "cache.jsonl", header, resume=resume)
 
@@ -418,7 +425,7 @@ def _tune(
         save_batches(spec.workdir / "calibration.npz", [dict(b.feeds) for b in inputs.gate])
         reference = reference_outputs(spec, inputs)
 
-        base_runtime = json.loads((baseline_dir / "runtime.json").read_text())
+        base_runtime = serving.baseline_runtime(baseline_dir)
         base_runner = ort_runner(baseline_dir / base_runtime.get("artifact", "model.onnx"), base_runtime)
         base_outputs = gate.run_all(base_runner, inputs)
         base_rec = cache.find("baseline")
@@ -438,14 +445,16 @@ def _tune(
             cache.append(base_rec)
         baseline = {k: base_rec[k] for k in ("version", "objective_ms", "latency", "accuracy")}
 
-        search = _Search(spec, builder, cache, inputs, reference, base_runner, t_start + budget, rep)
+        search = _Search(spec, serving, builder, cache, inputs, reference, base_runner, t_start + budget, rep)
         results = _strategy(search, strategy)
         same = same_as_baseline(baseline_dir, base_runtime)
         fast_enough = _winners(results, spec.objective.min_speedup)
         finalists = [r for r in fast_enough if not same(r)][: spec.search.finalists]
 
         e2e: dict[str, Any] = {}
-        if finalists and spec.bench.e2e:
+        if finalists and spec.bench.e2e and serving.native:
+            rep.note(f"finalists {NATIVE_E2E_SKIPPED}")
+        elif finalists and spec.bench.e2e:
             rep.note(f"serving {len(finalists)} finalist(s) and the baseline through the embedded Triton")
             e2e = serve_finalists(spec, builder, baseline_dir, finalists, base_outputs, inputs)
             finalists = [f for f in finalists if e2e.get(f.route, {}).get("served_passed", True)]
@@ -468,7 +477,7 @@ def _tune(
             else:
                 rep.note(f"rebuilding the winner once and writing it: {winner.route}")
                 version, version_path, release = write_winner(
-                    spec, builder, winner, baseline, e2e, inputs, versions_info,
+                    spec, serving, builder, winner, baseline, e2e, inputs, versions_info,
                     {k: header[k] for k in ("backend", "strategy", "budget_s", "routes")})  # fmt: skip
                 kill_point(TUNE_KILL_AT_ENV, "written")
             cache.append(

@@ -16,6 +16,7 @@ from tuner import gate
 from tuner.builders import Artifact, BuildContext, Builder, BuildError
 from tuner.builders.worker import run_build
 from tuner.e2e import run_e2e
+from tuner.form import NATIVE_E2E_SKIPPED, Form
 from tuner.inputs import InputSet
 from tuner.release import build_release, write_release
 from tuner.result import RouteResult, TuneError, route_id
@@ -80,6 +81,7 @@ def serve_finalists(
 
 def write_winner(
     spec: TuneSpec,
+    serving: Form,
     builder: Builder,
     winner: RouteResult,
     baseline: dict[str, Any],
@@ -97,7 +99,7 @@ def write_winner(
             spec.model.source,
             winner.knobs,
             rebuild_dir,
-            BuildContext(spec.search.options, spec.workdir / "calibration.npz"),
+            BuildContext(spec.search.options, spec.workdir / "calibration.npz", form=serving.form),
             timeout_s=spec.search.build_timeout_s,
         )
         identical: bool | None = gate.identical(outputs, gate.run_all(builder.load(again), inputs))
@@ -124,6 +126,8 @@ def write_winner(
             "baseline": e2e.get("baseline"),
             "speedup_p50": e2e[winner.route].get("speedup_p50"),
         }
+    elif serving.native and spec.bench.e2e:
+        latency["triton"] = {"skipped": NATIVE_E2E_SKIPPED}
     accuracy = dict((winner.accuracy or {}).get("outputs", {}))
     release = build_release(
         spec=spec,
@@ -146,7 +150,8 @@ def write_winner(
         "gate_batches": [b.label for b in inputs.gate],
         "bench_shapes": [s.key for s in inputs.bench],
     }
+    release.update(serving.release_fields(artifact))
     if identical is None:
         release["rebuild_error"] = "the rebuild failed; see the log"
-    version, path = write_release(spec, builder, artifact, release)
+    version, path = write_release(spec, serving.version_files(builder, artifact), release)
     return version, path, release

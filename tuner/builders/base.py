@@ -68,6 +68,7 @@ class BuildContext:
 
     options: Mapping[str, Any]  # [search.options] of the spec
     calibration: Path | None = None  # npz of input batches (static quantisation)
+    form: str = "python"  # what serves the version: `python` (backend) or a native backend (`onnxruntime`)
 
     def calibration_batches(self) -> list[dict[str, npt.NDArray[Any]]]:
         if self.calibration is None:

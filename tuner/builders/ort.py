@@ -11,6 +11,11 @@ Knobs:
 `int8-channel-keepffn` keeps the nodes matching `[search.options].keep_fp32_nodes` in fp32 (by
 default the BERT FFN down-projections `layer.N/output/dense`, measured as the sensitive ones on
 MiniLM); `int8-matmul` quantises MatMul only; `int8-static` calibrates QDQ int8 on the spec's inputs.
+
+For a model served by Triton's native onnxruntime backend (BuildContext.form "onnxruntime") the version is one
+`model.onnx` and nothing else: the graph rewrites are baked into it (ONNX Runtime's own optimizations saved
+offline, at the portable level only: see `bake_level`), and `opt`, `threads` and `exec` are session settings
+that the backend takes from config.pbtxt, per model (tunegate.repository.onnxruntime_backend_settings).
 """
 
 from __future__ import annotations
@@ -31,19 +36,24 @@ DEFAULT_KEEP_FP32 = (r"layer\.\d+/output/dense",)
 INT8 = ("int8-tensor", "int8-channel", "int8-channel-keepffn", "int8-matmul", "int8-static")
 
 
-def session_options(runtime: Mapping[str, Any]) -> Any:
-    """ORT session options from a runtime dict, as tunegate/templates/onnx_model.py reads it in Triton."""
+def _level(name: str) -> Any:
     import onnxruntime as ort
 
-    levels = {
+    return {
         "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
         "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    }
+    }[name]
+
+
+def session_options(runtime: Mapping[str, Any]) -> Any:
+    """ORT session options from a runtime dict, as tunegate/templates/onnx_model.py reads it in Triton."""
+    import onnxruntime as ort
+
     sess = runtime.get("session", {})
     so = ort.SessionOptions()
-    so.graph_optimization_level = levels[sess.get("graph_optimization_level", "all")]
+    so.graph_optimization_level = _level(sess.get("graph_optimization_level", "all"))
     so.intra_op_num_threads = int(sess.get("intra_op_num_threads", 1))
     so.inter_op_num_threads = int(sess.get("inter_op_num_threads", 1))
     parallel = sess.get("execution_mode") == "parallel"
@@ -85,6 +95,50 @@ def runtime_for(route: Mapping[str, str]) -> dict[str, Any]:
         execution_mode=route.get("exec", "sequential"),
     )
     return rt
+
+
+def native_runtime_for(route: Mapping[str, str]) -> dict[str, Any]:
+    """The session Triton's onnxruntime backend runs the route's version with once config.pbtxt has the release's
+    serving settings (tunegate.repository.onnxruntime_backend_runtime reads them back to this dict). Unlike the
+    python backend's runtime.json it has no `session.intra_op.allow_spinning` entry: the backend sets none, so
+    intra-op threads spin as ONNX Runtime's default has them."""
+    rt = runtime_for(route)
+    rt["config_entries"] = {}
+    if rt["session"]["execution_mode"] != "parallel":
+        rt["session"]["inter_op_num_threads"] = 0  # unused in sequential mode; the backend leaves it unset
+    return rt
+
+
+# What of ONNX Runtime's graph optimizations is baked into a native version's model.onnx. ONNX Runtime's docs
+# (Graph Optimizations, online/offline mode): basic rewrites run before graph partitioning and hold for every
+# execution provider; extended ones run after it, for the nodes the saving session put on its provider (the
+# saved graph has CPU-only contrib ops such as FusedGemm, DynamicQuantizeMatMul); layout ones (level all) need a
+# CPU like the one that saved them (e.g. AVX2). Baking at basic keeps model.onnx portable across CPUs and
+# providers; the backend applies the rest online, at the level config.pbtxt gives it.
+BAKE_LEVEL = "basic"
+
+
+def bake_level(route: Mapping[str, str]) -> tuple[str | None, str]:
+    """The level baked into a native version's model.onnx for `route`, or None; and why."""
+    if route.get("opt", "all") == "disable":
+        return None, "the route asks for no graph optimization"
+    if route.get("quant", "fp32") == "fp16":
+        # ONNX Runtime saves the Cast nodes it inserts around fp16 nodes the CPU provider has no kernel for:
+        # baked, they would pin fp32 arithmetic on a GPU too.
+        return None, "fp16: a graph optimized on the CPU provider keeps its fp32 casts"
+    return BAKE_LEVEL, "portable across CPUs and execution providers (basic rewrites only)"
+
+
+def bake(source: Path, dest: Path, level: str) -> None:
+    """Save ONNX Runtime's graph optimizations up to `level` into `dest` (SessionOptions.optimized_model_filepath)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = _level(level)
+    so.optimized_model_filepath = str(dest)
+    ort.InferenceSession(str(source), sess_options=so, providers=["CPUExecutionProvider"])
+    if not dest.is_file():
+        raise BuildError(f"ONNX Runtime did not save the optimized model to {dest}")
 
 
 class OrtBuilder(Builder):
@@ -146,11 +200,19 @@ class OrtBuilder(Builder):
         elif quant in INT8:
             current = self._quantize(current, quant, work, ctx, meta)
         final = out / "model.onnx"
-        onnx.save(onnx.load(str(current)), str(final))
+        native = ctx.form == "onnxruntime"
+        level, why = bake_level(route) if native else (None, "")
+        if native:
+            meta["baked"] = {"level": level, "why": why}
+        if level is not None:
+            bake(current, final, level)
+        else:
+            onnx.save(onnx.load(str(current)), str(final))
         for p in work.iterdir():
             p.unlink()
         work.rmdir()
-        return Artifact(out, "onnx", "model.onnx", runtime_for(route), meta)
+        runtime = native_runtime_for(route) if native else runtime_for(route)
+        return Artifact(out, "onnx", "model.onnx", runtime, meta)
 
     def _fuse(self, source: Path, dest: Path, ctx: BuildContext, meta: dict[str, Any]) -> Path:
         from onnxruntime.transformers import optimizer

@@ -58,6 +58,7 @@ def run_build(
         "out": str(tmp / "artifact"),
         "options": dict(ctx.options),
         "calibration": str(ctx.calibration) if ctx.calibration else None,
+        "form": ctx.form,
     }
     (tmp / "request.json").write_text(json.dumps(request, indent=2, default=str))
     log = tmp / "build.log"
@@ -108,7 +109,11 @@ def main(argv: list[str]) -> int:
     out = Path(request["out"])
     out.mkdir(parents=True)
     calib = request.get("calibration")
-    ctx = BuildContext(options=request.get("options") or {}, calibration=Path(calib) if calib else None)
+    ctx = BuildContext(
+        options=request.get("options") or {},
+        calibration=Path(calib) if calib else None,
+        form=request.get("form") or "python",
+    )
     try:
         artifact = builder.build(Path(request["source"]), request["route"], out, ctx)
     except BuildError as exc:
