@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from google.protobuf import json_format, text_format
 
 from tests.test_tuner_search import tiny_project, tree_digest
 from tunegate import models, pbtxt
 from tunegate.repository import onnxruntime_backend_runtime, sha256_file, write_native
+from tunegate.serving import Serving
 from tuner import gate
 from tuner.builders import Artifact, get_builder
 from tuner.builders.base import BuildContext
@@ -43,13 +43,6 @@ def native_spec(tmp_path: Path, **sections: dict[str, object]) -> TuneSpec:
     config = dataclasses.replace(models.tiny_config(), form="onnxruntime", kind=None)
     write_native(spec.model.repository, config, spec.model.source)
     return spec
-
-
-def with_settings(config_text: str, settings: dict[str, object]) -> str:
-    """config.pbtxt with release.json's serving settings merged in (Triton's JSON config form, its protobuf)."""
-    cfg = pbtxt.parse(config_text)
-    json_format.ParseDict(settings, cfg)
-    return str(text_format.MessageToString(cfg))
 
 
 @pytest.mark.parametrize(
@@ -105,16 +98,18 @@ def test_tune_writes_a_native_version_that_onnx_runtime_serves_with_the_gates_ou
     opt = result.winner.knobs["opt"]
     assert release["builder_notes"]["baked"]["level"] == (None if opt == "disable" else "basic")
     assert "python backend" in release["latency"]["triton"]["skipped"] and result.e2e == {}
-    serving = release["serving"]
-    assert serving["parameters"] == {
-        "execution_mode": {"string_value": "0"},
-        "intra_op_thread_count": {"string_value": "1"},
-    }
+    serving = release[
+        "serving"
+    ]  # tunegate.serving's form: the canary serves and promotes the version with it
     level = {"all": 0, "extended": 1, "basic": -1, "disable": 2}[opt]
-    assert serving["optimization"] == {"graph": {"level": level}} and serving["applied"] is False
+    assert serving == {
+        "parameters": {"execution_mode": "0", "intra_op_thread_count": "1"},
+        "graph_level": level,
+    }
+    changes = release["serving_changes"]["changes"]
     # the config sets no thread count (ONNX Runtime's default, "0"); the winner was timed with one thread
-    assert serving["changes"]["parameters.intra_op_thread_count"] == {"now": "0", "wanted": "1"}
-    assert ("optimization.graph.level" in serving["changes"]) == (opt != "all")
+    assert changes["parameters.intra_op_thread_count"] == {"now": "0", "wanted": "1"}
+    assert ("optimization.graph.level" in changes) == (opt != "all")
 
     # What the gate ran: the winner's artifact in process, on the gate's requests.
     inputs = make_inputs(spec.inputs, spec.model.source, spec.model.name, spec.gate.samples, spec.gate.needed)
@@ -123,9 +118,7 @@ def test_tune_writes_a_native_version_that_onnx_runtime_serves_with_the_gates_ou
     gated = gate.run_all(get_builder("onnxruntime").load(artifact), inputs)
 
     # Triton's onnxruntime backend once config.pbtxt has the release's settings: the same session, same outputs.
-    applied = onnxruntime_backend_runtime(
-        with_settings(config_text, {k: serving[k] for k in ("parameters", "optimization")})
-    )
+    applied = onnxruntime_backend_runtime(Serving.from_dict(serving).apply(config_text))
     assert applied["session"] == release["runtime"]["session"] == artifact.runtime["session"]
     served = gate.run_all(ort_runner(result.version_path / "model.onnx", applied), inputs)
     for s, g in zip(served, gated, strict=True):

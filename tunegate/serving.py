@@ -39,6 +39,7 @@ class Serving:
     queue_delay_us: int | None = None  # dynamic_batching.max_queue_delay_microseconds; < 0 turns it off
     preferred_batch_sizes: tuple[int, ...] = ()
     parameters: Mapping[str, str] = dataclasses.field(default_factory=dict)  # backend parameters
+    graph_level: int | None = None  # optimization.graph.level (the onnxruntime backend's graph optimizations)
 
     def __post_init__(self) -> None:
         if self.instances is not None and not 1 <= self.instances <= 64:
@@ -73,6 +74,7 @@ class Serving:
                 queue_delay_us=None if d.get("queue_delay_us") is None else int(d["queue_delay_us"]),
                 preferred_batch_sizes=tuple(int(b) for b in d.get("preferred_batch_sizes") or ()),
                 parameters={str(k): str(v) for k, v in dict(d.get("parameters") or {}).items()},
+                graph_level=None if d.get("graph_level") is None else int(d["graph_level"]),
             )
         except (TypeError, ValueError) as exc:
             raise ServingError(f"serving configuration {dict(d)!r}: {exc}") from exc
@@ -109,6 +111,8 @@ class Serving:
             raise ServingError("dynamic batching needs max_batch_size > 0")
         for key, value in self.parameters.items():
             cfg.parameters[key].string_value = value
+        if self.graph_level is not None:
+            cfg.optimization.graph.level = self.graph_level
         return str(text_format.MessageToString(cfg))
 
 

@@ -231,11 +231,11 @@ def _print_summary(result: Any) -> None:
     if result.winner is not None and result.version is not None:
         out.print(f"[bold green]winner[/] {escape(result.reason)}")
         out.print(f"written as version {result.version}: {result.version_path} (not served until the canary)")
-        changes = ((result.release or {}).get("serving") or {}).get("changes") or {}
+        changes = ((result.release or {}).get("serving_changes") or {}).get("changes") or {}
         if changes:  # a native onnxruntime version: its session settings are config.pbtxt's, per model
             wanted = ", ".join(f"{k} {v['now']} -> {v['wanted']}" for k, v in changes.items())
             out.print(
-                f"timed with config.pbtxt settings the tuner does not apply (release.json serving): {wanted}"
+                f"timed with config.pbtxt settings the canary applies on promotion (release.json serving): {wanted}"
             )
     elif result.winner is not None:
         out.print(f"[bold green]winner[/] {result.winner.route} (not written: --no-write)")

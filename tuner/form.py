@@ -29,6 +29,7 @@ from tunegate.repository import (
     onnxruntime_backend_settings,
     version_form,
 )
+from tunegate.serving import Serving
 from tuner.builders import Artifact, Builder
 from tuner.result import TuneError
 
@@ -107,15 +108,20 @@ class Form:
         )
         if level_now != level_wanted:
             changes["optimization.graph.level"] = {"now": level_now, "wanted": level_wanted}
+        serving = Serving(
+            parameters={k: v["string_value"] for k, v in wanted["parameters"].items()},
+            graph_level=int(level_wanted),
+        )
         return {
             "form": "onnxruntime",
-            "serving": {
-                **wanted,
+            # What the canary serves the candidate with and promotion writes into config.pbtxt (tunegate.serving).
+            "serving": serving.to_dict(),
+            "serving_changes": {
                 "changes": changes,
-                "applied": False,
                 "note": (
                     "per-model settings of config.pbtxt (every version runs under them), not written by the tuner: "
-                    "the gate and the benchmark ran this model.onnx under them, in ONNX Runtime in process; "
+                    "the gate and the benchmark ran this model.onnx under them, in ONNX Runtime in process; the "
+                    "canary's shadow serves the version under them and promotion writes them into config.pbtxt; "
                     "'now' is the config's value read as the backend reads it (thread count 0: ONNX Runtime's default)"
                 ),
             },
