@@ -366,6 +366,8 @@ class TritonControl:
         src = self.version_dir(model, version)
         trash = self.repository / model / f"{TRASH_PREFIX}{version}-{os.urandom(4).hex()}"
         os.rename(src, trash)
+        with contextlib.suppress(FileNotFoundError):  # the config it served with: nothing to roll back to now
+            self.saved_config(model, version).unlink()
         fsync_dir(self.repository / model)
         _delete(trash)
 
