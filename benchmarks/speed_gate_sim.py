@@ -13,29 +13,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
-from tuner.bench import objective, speedup, speedup_lower, stats
-from tuner.inputs import BenchShape
-from tuner.spec import ObjectiveSection
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-SHAPES = (BenchShape("b1xs32", 1, 0.6, {}), BenchShape("b4xs32", 4, 0.4, {}))
-BASE_MS = {"b1xs32": 4.0, "b4xs32": 11.0}
+from tests.test_tuner_speed import SHAPES, paired_runs  # the simulated timings, as the tests use them
+from tuner.bench import objective, speedup, speedup_lower
+from tuner.spec import ObjectiveSection
 
 
 def one(
     rng: np.random.Generator, true_speedup: float, repeats: int, obj: ObjectiveSection
 ) -> tuple[float, float]:
-    cand, base = {}, {}
-    for s in SHAPES:
-        drift = np.exp(np.cumsum(rng.normal(0.0, 0.03, repeats)))
-        own = np.exp(rng.normal(0.0, 0.06, (2, repeats)))
-        spikes = 1.0 + (rng.random((2, repeats)) < 0.1) * rng.exponential(0.5, (2, repeats))
-        tb = BASE_MS[s.key] * drift * own[0] * spikes[0] / 1000.0
-        tc = BASE_MS[s.key] / true_speedup * drift * own[1] * spikes[1] / 1000.0
-        cand[s.key] = stats(list(tc), bootstrap=10, rows=s.batch)
-        base[s.key] = stats(list(tb), bootstrap=10, rows=s.batch)
+    cand, base = paired_runs(rng, true_speedup, repeats)
     point = speedup(objective(base, SHAPES, obj), objective(cand, SHAPES, obj))
     lower = speedup_lower(cand, base, SHAPES, obj, confidence=obj.confidence, bootstrap=1000)
     return point, float(lower or 0.0)
