@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_tuner_search import tiny_project
+from tests.test_tuner_search import run_cli, tiny_project
 from tunegate.repository import sha256_file
 from tunegate.serving import Serving
 from tuner.serving import ServingRoute, _pick, tune_serving
@@ -92,3 +92,29 @@ def test_a_route_wins_when_every_round_is_faster_and_the_median_reaches_the_gain
     rows: list[Any] = [row("own", [1.0, 1.0, 1.0]), row("cand", ratios, status)]
     winner, reason = _pick(rows, 1.1, 0.0)
     assert (winner is not None) == wins, reason
+
+
+@pytest.mark.triton
+def test_tune_with_serving_searches_the_written_winners_configuration(tmp_path: Path) -> None:
+    """`tunegate tune --serving`: the engine winner is written, then its serving configuration is searched on it."""
+    spec_path = tiny_project(
+        tmp_path,
+        objective={"min_speedup": 0.01},
+        bench={"repeats": 3, "e2e": False},
+        gate={"samples": 256},
+        search={"routes": "-opt=basic -quant=fp32"},  # not the baseline's own build (that is never released)
+        serving={"routes": "-instances=[same|2]", "concurrency": [2], "window_ms": 400, "rounds": 1},
+    )
+    proc = run_cli("tune", str(spec_path), "--serving", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["version"] == 2 and out["serving"]["version"] == 2  # the serving search ran on the new version
+    routes = out["serving"]["routes"]
+    assert [r["route"].split()[0] for r in routes] == ["-instances=same", "-instances=2"]
+    assert all(r["status"] == "passed" and len(r["throughput"]) == 1 for r in routes), routes
+    written = out["serving"]["written_version"]
+    if written is not None:  # a configuration won: the next version, the winner's files served so
+        release = json.loads((Path(out["serving"]["written_path"]) / "release.json").read_text())
+        assert written == 3 and release["source_version"] == 2 and release["serving"] == {"instances": 2}
+    proc = run_cli("tune", str(spec_path), "--serving", "--routes", "-opt=all", "--dry-run")
+    assert proc.returncode == 0, proc.stderr

@@ -48,6 +48,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--dry-run", action="store_true", help="list the routes the strategy would run; build nothing"
     )
     t.add_argument("--no-write", action="store_true", help="search and report, but write no version")
+    t.add_argument(
+        "--serving",
+        action="store_true",
+        help="then search the serving configuration of the written winner ([serving]); a winning configuration "
+        "is written as the next version, the engine and the configuration released together",
+    )
     t.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     t.set_defaults(func=cmd_tune)
 
@@ -133,6 +139,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 0
     if not p["available"]:
         raise CliError(f"backend {p['backend']} cannot run here: {p['why']}", code=1)
+    if args.serving:
+        try:
+            serving_plan(spec)
+        except RouteError as exc:
+            raise CliError(str(exc)) from exc
+        if not spec.serving.routes:
+            raise CliError(f"--serving needs [serving].routes in {args.spec}")
     try:
         result = tune(
             spec,
@@ -146,10 +159,26 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
     except (TuneError, TritonError) as exc:
         raise CliError(str(exc), code=1) from exc
+    serving: dict[str, Any] | None = None
+    if args.serving and result.version is not None:
+        note = (lambda _m: None) if args.json else (lambda m: err.print(escape(m)))
+        try:
+            found, version, path = tune_serving(spec, result.version, note=note)
+        except (TuneError, TritonError, ServingError, InputsError) as exc:
+            raise CliError(
+                f"version {result.version} is written; its serving search failed: {exc}", code=1
+            ) from exc
+        serving = {**found.to_dict(), "written_version": version, "written_path": str(path) if path else None}
     if args.json:
-        emit_json(result.summary())
+        emit_json({**result.summary(), **({"serving": serving} if serving is not None else {})})
         return 0
     _print_summary(result)
+    if serving is not None:
+        out.print(f"serving configuration of version {result.version}: {escape(serving['reason'])}")
+        if serving["written_version"] is not None:
+            out.print(
+                f"written as version {serving['written_version']}: version {result.version}'s files served so"
+            )
     return 0
 
 
