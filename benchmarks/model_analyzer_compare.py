@@ -32,8 +32,8 @@ Analyzer's configurations replayed by tunegate) compare configurations under the
 Model Analyzer goes in its own virtual environment (its pins clash with the project's):
 `python3.11 -m venv /opt/ma-venv && /opt/ma-venv/bin/pip install triton-model-analyzer`. perf_analyzer is the
 tritonclient wheel's (tunegate.perf says what it needs); Model Analyzer gets a wrapper that sets its library path
-(`perf_analyzer_path`). Each search takes the CPU lock (`--lock`, default /tmp/tunegate-cpu.lock, shared with
-the project's other benchmarks) while it runs. About 7 minutes on two cores, besides any wait for the lock. Exit 0 when both searches ran,
+(`perf_analyzer_path`). Each search takes a lock file while it runs (`--lock`, default /tmp/tunegate-cpu.lock;
+`flock PATH CMD` takes the same lock, so measurements started that way do not overlap it). About 7 minutes on two cores, besides any wait for the lock. Exit 0 when both searches ran,
 1 when one failed, 2 when Model Analyzer or perf_analyzer is missing.
 """
 
@@ -86,7 +86,7 @@ def log(msg: str) -> None:
 
 @contextlib.contextmanager
 def cpu_lock(path: str) -> Iterator[None]:
-    """The lock the project's CPU measurements share (flock(1)'s `flock PATH cmd` takes the same one)."""
+    """An exclusive lock on `path` (flock(1)'s `flock PATH cmd` takes the same one), so measurements do not overlap."""
     if not path:
         yield
         return
