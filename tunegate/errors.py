@@ -3,11 +3,13 @@
     TunegateError
     ├── InputError (also a ValueError): what a user gave is wrong; a CLI exits 2, the sidecar answers 4xx
     │   ├── tunegate: CodecError (a KServe v2 body), GrpcCodecError (a gRPC inference message with no HTTP
-    │   │   form), ToleranceError, CaptureError, ConfigTextError (config.pbtxt)
+    │   │   form), ToleranceError, CaptureError, ConfigTextError (config.pbtxt), ServingError (a serving
+    │   │   configuration that cannot apply to a model's config)
     │   ├── tuner: SpecError, RouteError, InputsError
     │   └── sidecar: ConfigError (sidecar.toml), StatsError (Triton's statistics JSON)
     ├── ServiceError (also a RuntimeError): a service, a file or a process failed; a CLI exits 1
-    │   ├── tunegate: TritonError ── TritonStartError, RepositoryError, ModelError, DemoError
+    │   ├── tunegate: TritonError ── TritonStartError, RepositoryError, ModelError, DemoError, PerfError (a
+    │   │   replayed load request failed)
     │   ├── tuner: BuildError ── BuildTimeout, TuneError, CacheError
     │   ├── loadtest: LoadTestError
     │   └── sidecar: StateError, AdminError (the admin API's answer), ControlError (Triton's repository API or
