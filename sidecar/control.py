@@ -8,8 +8,8 @@ old config is restored and reloaded, so the baseline serves); the sidecar switch
 and waits for its requests to B; then policy [C] and reload, which unloads B.
 
 A candidate whose release.json carries a serving configuration (tunegate.serving: instances, batching) is
-served with it by the shadow; promotion writes it into the model's config and keeps the config the baseline
-served with beside it (`.config-v<B>.pbtxt`), which a rollback to B restores.
+served with it by the shadow, and promotion writes it into the model's config. Every promotion and rollback keeps
+the config the version it replaces served with beside it (`.config-v<B>.pbtxt`); a rollback to B restores it.
 
 Loads and unloads go through Triton's gRPC repository API when `upstream_grpc` is set. Triton's HTTP server
 answers a repository load inside an HTTP worker thread (the load call blocks until the model is ready), and
@@ -138,6 +138,18 @@ class TritonControl:
     def saved_config(self, model: str, version: int) -> Path:
         """The config that served `version` before a release changed the model's serving configuration."""
         return self.repository / model / saved_config_name(version)
+
+    def _served_before(self, model: str, version: int, text: str) -> str:
+        """The config `version` serves with now, kept as its saved config for a rollback to it, and returned as
+        what a failed swap restores. A redo (policy no longer [version]: the swap's config is on disk) reads the
+        saved one instead, so a failed redo restores what served, not the candidate's configuration."""
+        path = self.saved_config(model, version)
+        if parse_version_policy(text) == (version,):
+            atomic_write_text(path, text)
+            return text
+        if path.exists():
+            return set_version_policy(path.read_text(), [version])
+        return set_version_policy(text, [version])
 
     def write_shadow(self, model: str, candidate: int, baseline: int | None = None) -> Path:
         """Lay out `<m>__canary/` (staged, then renamed into place); replaces a stale one.
@@ -290,12 +302,8 @@ class TritonControl:
         text = await asyncio.to_thread(self.read_config, model)
         if parse_version_policy(text) == (candidate,) and await self.ready(model, candidate):
             return
-        old = set_version_policy(text, [baseline])
         serving = await asyncio.to_thread(self.serving_config, model, candidate)
-        if serving is not None and parse_version_policy(text) == (baseline,):
-            # The configuration the baseline served with, for a rollback to it (not rewritten by a redo,
-            # whose config already holds the candidate's serving configuration).
-            await asyncio.to_thread(atomic_write_text, self.saved_config(model, baseline), old)
+        old = await asyncio.to_thread(self._served_before, model, baseline, text)
         both = set_version_policy(self._with_serving(model, text, serving), sorted({baseline, candidate}))
         await asyncio.to_thread(atomic_write_text, self.config_path(model), both)
         try:
@@ -331,13 +339,11 @@ class TritonControl:
         text = await asyncio.to_thread(self.read_config, model)
         if parse_version_policy(text) == (target,) and await self.ready(model, target):
             return
-        old = set_version_policy(text, [current])
+        old = await asyncio.to_thread(self._served_before, model, current, text)
         base = text
         saved = self.saved_config(model, target)
-        if saved.exists():  # the target served with another serving configuration: it comes back with it
+        if saved.exists():  # the configuration the target served with comes back with it
             base = await asyncio.to_thread(saved.read_text)
-            if parse_version_policy(text) == (current,):
-                await asyncio.to_thread(atomic_write_text, self.saved_config(model, current), old)
         both = set_version_policy(base, sorted({target, current}))
         await asyncio.to_thread(atomic_write_text, self.config_path(model), both)
         try:
@@ -372,9 +378,13 @@ class TritonControl:
         _delete(trash)
 
     def clean_trash(self, model: str) -> None:
-        """Finish deletions a killed process left behind."""
+        """Finish deletions a killed process left behind (and the saved configs of versions no longer there)."""
         for p in (self.repository / model).glob(f"{TRASH_PREFIX}*"):
             _delete(p)
+        for p in (self.repository / model).glob(".config-v*.pbtxt"):
+            version = p.name.removeprefix(".config-v").removesuffix(".pbtxt")
+            if version.isdigit() and not self.version_dir(model, int(version)).is_dir():
+                p.unlink(missing_ok=True)
 
 
 def _delete(path: Path) -> None:

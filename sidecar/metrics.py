@@ -261,7 +261,7 @@ class SidecarMetrics:
         )  # fmt: skip
         self.model_memory = Gauge(
             "tunegate_model_memory_bytes",
-            "Memory of a canary's candidate and baseline instances on Triton's host (resident, or GPU where one serves).",
+            "Memory per instance of a canary's candidate and baseline on Triton's host (resident, or GPU where one serves).",
             ["model", "version", "role"], registry=registry,
         )  # fmt: skip
         self.model_capacity = Gauge(

@@ -106,3 +106,47 @@ def test_throughput_at_the_objective_is_the_best_level_within_the_latency() -> N
     assert throughput_at(levels, 0) == 320.0
     assert throughput_at(levels, 45.0) == 300.0
     assert throughput_at(levels, 5.0) == 0.0
+
+
+def test_schedulers_reshapes_and_flat_tensors_are_refused_not_dropped() -> None:
+    seq = MINILM + "sequence_batching { max_sequence_idle_microseconds: 5000000 }\n"
+    with pytest.raises(ServingError, match="sequence_batching"):
+        Serving(max_batch_size=8, queue_delay_us=100).apply(seq)
+    reshaped = MINILM.replace("dims: [ -1, 384 ]", "dims: [ -1, 384 ]\n    reshape: { shape: [ 384 ] }")
+    with pytest.raises(ServingError, match="reshape"):
+        Serving(max_batch_size=8).apply(reshaped)
+    flat = MINILM.replace("dims: [ -1, 384 ]", "dims: [ -1 ]")
+    with pytest.raises(ServingError, match="only the batch dimension"):
+        Serving(max_batch_size=8).apply(flat)
+    # lowering max_batch_size under the preferred batch sizes already in the config
+    batched = Serving(max_batch_size=16, queue_delay_us=0, preferred_batch_sizes=(16,)).apply(MINILM)
+    with pytest.raises(ServingError, match="exceed max_batch_size"):
+        Serving(max_batch_size=8).apply(batched)
+
+
+def test_a_versions_own_serving_configuration_is_kept_under_a_route() -> None:
+    base = Serving(parameters={"intra_op_thread_count": "1"}, graph_level=1)
+    merged = base.merged(Serving(instances=2))
+    assert merged == Serving(instances=2, parameters={"intra_op_thread_count": "1"}, graph_level=1)
+    cfg = pbtxt.parse(merged.apply(MINILM))
+    assert cfg.optimization.graph.level == 1 and cfg.parameters["intra_op_thread_count"].string_value == "1"
+
+
+def test_what_a_swap_restores_is_the_config_that_served_even_on_a_redo(tmp_path: Path) -> None:
+    """Promotion and rollback keep the replaced version's config; a redo after a restart (the swap's config already
+    on disk) restores that saved config, not the candidate's serving configuration."""
+    from sidecar.control import TritonControl
+
+    (tmp_path / "minilm").mkdir()
+    control = TritonControl(None, "http://127.0.0.1:1", tmp_path)  # type: ignore[arg-type]  # files only here
+    served = MINILM
+    assert control._served_before("minilm", 1, served) == served
+    assert control.saved_config("minilm", 1).read_text() == served
+    swapping = pbtxt.with_version_policy(Serving(instances=2).apply(served), [1, 2])  # a redo finds this
+    restored = control._served_before("minilm", 1, swapping)
+    assert pbtxt.parse(restored) == pbtxt.parse(served)  # one instance, policy [1]: what served
+    assert control.saved_config("minilm", 1).read_text() == served  # not overwritten by the redo
+    (tmp_path / "minilm" / "1").mkdir()
+    control.saved_config("minilm", 7).write_text(served)  # a version deleted by a killed retention
+    control.clean_trash("minilm")
+    assert control.saved_config("minilm", 1).exists() and not control.saved_config("minilm", 7).exists()

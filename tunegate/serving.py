@@ -55,6 +55,12 @@ class Serving:
     def empty(self) -> bool:
         return self == Serving()
 
+    def merged(self, over: Serving) -> Serving:
+        """These knobs with `over`'s set ones on top (a serving search on a version that carries its own)."""
+        d = {**self.to_dict(), **over.to_dict()}
+        d["parameters"] = {**self.parameters, **over.parameters}
+        return Serving.from_dict(d)
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, (), {})}
         if "preferred_batch_sizes" in d:
@@ -90,6 +96,12 @@ class Serving:
         if self.max_batch_size is not None and self.max_batch_size != cfg.max_batch_size:
             _rebatch(cfg, self.max_batch_size)
         batching = self.queue_delay_us is not None or self.preferred_batch_sizes
+        scheduler = cfg.WhichOneof("scheduling_choice")
+        if batching and scheduler not in (None, "dynamic_batching"):
+            # one oneof in Triton's protobuf: setting the dynamic batcher would drop the model's own scheduler
+            raise ServingError(
+                f"the model is scheduled by {scheduler}: the dynamic batcher cannot replace it"
+            )
         if batching and self.queue_delay_us is not None and self.queue_delay_us < 0:
             cfg.ClearField("dynamic_batching")
         elif batching:
@@ -104,11 +116,15 @@ class Serving:
             if self.preferred_batch_sizes:
                 del db.preferred_batch_size[:]
                 db.preferred_batch_size.extend(self.preferred_batch_sizes)
-            if any(b > cfg.max_batch_size for b in db.preferred_batch_size):
-                raise ServingError(f"preferred batch sizes {list(db.preferred_batch_size)} exceed max_batch_size "
-                                   f"{cfg.max_batch_size}")  # fmt: skip
         if cfg.max_batch_size < 1 and cfg.HasField("dynamic_batching"):
             raise ServingError("dynamic batching needs max_batch_size > 0")
+        preferred = (
+            list(cfg.dynamic_batching.preferred_batch_size) if cfg.HasField("dynamic_batching") else []
+        )
+        if any(b > cfg.max_batch_size for b in preferred):
+            raise ServingError(
+                f"preferred batch sizes {preferred} exceed max_batch_size {cfg.max_batch_size}"
+            )
         for key, value in self.parameters.items():
             cfg.parameters[key].string_value = value
         if self.graph_level is not None:
@@ -123,12 +139,18 @@ def _rebatch(cfg: Any, max_batch_size: int) -> None:
     batches. Every input and output must then have a leading variable dimension.
     """
     tensors = list(cfg.input) + list(cfg.output)
+    reshaped = [t.name for t in tensors if t.HasField("reshape")]
+    if reshaped:
+        raise ServingError(f"{reshaped} have a reshape: their batch dimension is not moved automatically")
     if max_batch_size > 0 and cfg.max_batch_size == 0:
         bad = [t.name for t in tensors if not t.dims or t.dims[0] != -1]
         if bad:
             raise ServingError(
                 f"batching needs a leading -1 dimension on every input and output; {bad} have none"
             )
+        flat = [t.name for t in tensors if len(t.dims) == 1]
+        if flat:  # [-1] would leave no dimension, which Triton refuses without a reshape
+            raise ServingError(f"{flat} have only the batch dimension: batching them needs a reshape")
         for t in tensors:
             del t.dims[0]
     elif max_batch_size == 0 and cfg.max_batch_size > 0:

@@ -18,7 +18,7 @@ from typing import Any
 from tunegate.errors import ServiceError
 from tunegate.records import JsonlLog, atomic_write_text
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: routes keep their timed runs and the speed-up's lower bound (tuner.bench.speedup_lower)
 # What a search's results depend on, as the header's `digests` name them (tuner.search.run_digests).
 DIGEST_NAMES = {
     "spec": "the spec",
@@ -26,6 +26,7 @@ DIGEST_NAMES = {
     "baseline": "the baseline version's files",
     "inputs": "the captured inputs",
     "tools": "the tool or machine versions",
+    "serving": "the model's serving form or its config.pbtxt session settings",
 }
 
 

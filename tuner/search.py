@@ -121,8 +121,12 @@ def run_digests(
         "baseline": _tree_digest([p for p in baseline_dir.iterdir() if p.is_file()]),
         "inputs": inputs,
         "tools": hashlib.sha256(json.dumps(versions_info, sort_keys=True, default=str).encode()).hexdigest(),
+        # A python version's session settings are its runtime.json (in "baseline"); a native one's are config.pbtxt's.
         "serving": hashlib.sha256(
-            json.dumps([serving.form, serving.baseline_runtime(baseline_dir)], sort_keys=True).encode()
+            json.dumps(
+                [serving.form, serving.baseline_runtime(baseline_dir) if serving.native else None],
+                sort_keys=True,
+            ).encode()
         ).hexdigest(),
     }
 
@@ -363,7 +367,7 @@ def tune(
     serving = Form.read(spec.model.repository / spec.model.name / "config.pbtxt")
     serving.check(builder)
     spec.workdir.mkdir(parents=True, exist_ok=True)
-    with _exclusive(spec.workdir):
+    with exclusive(spec.workdir):
         # A kill -9 leaves a temporary build directory, an e2e serving directory or a version's staging
         # directory; under the lock nothing else uses them.
         for stale in [*(spec.workdir / "builds").glob(".tmp-*"), *spec.workdir.glob("e2e-*")]:
@@ -375,7 +379,7 @@ def tune(
 
 
 @contextlib.contextmanager
-def _exclusive(workdir: Path) -> Iterator[None]:
+def exclusive(workdir: Path) -> Iterator[None]:
     """One search per work directory at a time (the kernel drops the lock if the process dies)."""
     with open(workdir / ".lock", "a+") as f:
         try:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import json
+import math
 import shutil
 import statistics
 import tempfile
@@ -41,15 +43,16 @@ import numpy.typing as npt
 
 from tunegate import pbtxt, perf
 from tunegate.records import atomic_write_text
-from tunegate.repository import set_version_policy, write_version
+from tunegate.repository import set_version_policy, versions, write_version
 from tunegate.serving import Serving, ServingError, describe
 from tunegate.triton import EmbeddedTriton, TritonOptions
 from tuner import gate
+from tuner.form import Form
 from tuner.inputs import InputSet, make_inputs
 from tuner.release import gate_record
 from tuner.result import TuneError
 from tuner.routes import Knob, fast_routes, full_routes, parse_route, parse_space, route_string
-from tuner.search import find_baseline, reference_outputs
+from tuner.search import exclusive, find_baseline, reference_outputs
 from tuner.spec import TuneSpec
 
 SAME = "same"
@@ -101,7 +104,13 @@ class ServingRoute:
         return statistics.median(self.ratios) if self.ratios else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "median_ratio": self.median_ratio}
+        d = {**dataclasses.asdict(self), "median_ratio": self.median_ratio}
+        d["ratios"] = [
+            None if math.isinf(x) else x for x in self.ratios
+        ]  # JSON: None where the own met no level
+        if d["median_ratio"] is not None and math.isinf(d["median_ratio"]):
+            d["median_ratio"] = None
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,12 +176,18 @@ def search_serving(
     inputs: InputSet,
     reference: gate.Outputs,
     note: Callable[[str], None] = lambda _m: None,
+    base: Serving | None = None,
 ) -> ServingResult:
-    """Measure every serving route of `spec.serving` on `version_dir`'s files; see the module docstring."""
+    """Measure every serving route of `spec.serving` on `version_dir`'s files; see the module docstring.
+
+    `base`: the serving configuration the version itself carries (its release.json's), under every route.
+    """
     t0 = time.monotonic()
     s = spec.serving
     model = spec.model.name
     config_text = (spec.model.repository / model / "config.pbtxt").read_text()
+    if base is not None:
+        config_text = base.apply(config_text)
     outputs = list(reference[0])
     rows = [ServingRoute(r, {}) for r in plan(spec)]
     largest = max((int(np.asarray(next(iter(b.feeds.values()))).shape[0]) for b in inputs.gate), default=1)
@@ -229,10 +244,15 @@ def search_serving(
                         continue
                     row.levels.append([lv.to_dict() for lv in levels])
                     row.throughput.append(perf.throughput_at(levels, s.latency_ms))
-                own = measured[0].throughput[-1] if measured and measured[0].throughput else 0.0
+                own_row = rows[0]
+                if own_row not in measured or len(own_row.throughput) != rnd + 1:
+                    continue  # the model's own configuration was not measured this round: no ratio
+                own = own_row.throughput[-1]
                 for row in measured:
                     if len(row.throughput) == rnd + 1:
-                        row.ratios.append(row.throughput[-1] / own if own > 0 else 0.0)
+                        t = row.throughput[-1]
+                        # the own configuration meets the objective at no level: any route that does is ahead
+                        row.ratios.append(t / own if own > 0 else (math.inf if t > 0 else 1.0))
         winner, reason = _pick(rows, s.min_gain, s.latency_ms)
         return ServingResult(version, rows, winner, reason, time.monotonic() - t0)
     finally:
@@ -280,25 +300,64 @@ def tune_serving(
         raise TuneError(f"{model_dir / 'config.pbtxt'} does not exist")
     if not spec.serving.routes:
         raise TuneError(f"{spec.path}: [serving].routes is empty: no serving route to search")
+    if Form.read(model_dir / "config.pbtxt").native:
+        raise TuneError(
+            f"{spec.model.name} is served by Triton's {Form.read(model_dir / 'config.pbtxt').form} backend, which the "
+            "embedded Triton does not have: its serving routes cannot be measured here"
+        )
     if version is None:
         version, version_dir = find_baseline(spec)
     else:
         version_dir = model_dir / str(version)
         if not version_dir.is_dir():
             raise TuneError(f"{model_dir} has no version {version}")
+    source_release = _release(version_dir)
+    base = Serving.from_dict(source_release["serving"]) if source_release.get("serving") else None
     spec.workdir.mkdir(parents=True, exist_ok=True)
-    note(f"preparing the captured requests and the reference ({spec.gate.samples} gate samples)")
-    inputs = make_inputs(spec.inputs, spec.model.source, spec.model.name, spec.gate.samples, spec.gate.needed)
-    reference = reference_outputs(spec, inputs)
-    result = search_serving(spec, version, version_dir, inputs, reference, note)
-    if result.winner is None or not write:
-        return result, None, None
+    with exclusive(spec.workdir):
+        for stale in spec.workdir.glob("serving-*"):  # what a killed search left
+            shutil.rmtree(stale, ignore_errors=True)
+        note(f"preparing the captured requests and the reference ({spec.gate.samples} gate samples)")
+        inputs = make_inputs(
+            spec.inputs, spec.model.source, spec.model.name, spec.gate.samples, spec.gate.needed
+        )
+        reference = reference_outputs(spec, inputs)
+        result = search_serving(spec, version, version_dir, inputs, reference, note, base)
+        if result.winner is None or not write:
+            return result, None, None
+        return (result, *_write(spec, result, version, version_dir, inputs.digest, base, note))
+
+
+def _release(version_dir: Path) -> dict[str, Any]:
+    path = version_dir / "release.json"
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise TuneError(f"{path} is not valid JSON: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _write(spec: TuneSpec, result: ServingResult, version: int, version_dir: Path, inputs_digest: str,
+           base: Serving | None, note: Callable[[str], None]) -> tuple[int, Path]:  # fmt: skip
     win = result.winner
+    assert win is not None
+    model_dir = spec.model.repository / spec.model.name
+    serving = (base or Serving()).merged(Serving.from_dict(win.serving))
+    for v in sorted(versions(model_dir)):  # a rerun (or --continue) after the write: not written twice
+        r = _release(model_dir / str(v))
+        if (r.get("kind"), r.get("source_version"), r.get("route"), r.get("spec_digest")) == (
+            "serving",
+            version,
+            win.route,
+            spec.digest,
+        ):
+            note(f"version {v} already holds this configuration of version {version}; not written again")
+            return v, model_dir / str(v)
     release = {
         "model": spec.model.name,
         "kind": "serving",
         "route": win.route,
-        "serving": win.serving,
+        "serving": serving.to_dict(),
         "source_version": version,
         "baseline_version": version,
         "tolerance": spec.tolerance.to_dict(),
@@ -307,9 +366,9 @@ def tune_serving(
         "spec": dict(spec.raw),
         "spec_path": str(spec.path),
         "spec_digest": spec.digest,
-        "inputs_digest": inputs.digest,
+        "inputs_digest": inputs_digest,
         "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     written = write_version(spec.model.repository, spec.model.name, _files(version_dir), release=release)
-    note(f"written as version {written}: version {version}'s files, served with {describe(win.serving)}")
-    return result, written, model_dir / str(written)
+    note(f"written as version {written}: version {version}'s files, served with {describe(serving)}")
+    return written, model_dir / str(written)
