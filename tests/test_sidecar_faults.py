@@ -212,7 +212,9 @@ async def test_triton_killed_and_restarted_pauses_reloads_and_resumes(tmp_path: 
 
             # The shadow lost while Triton keeps serving (unloaded behind the sidecar's back): the copies that
             # meet it missing are not counted, and the judge tick loads it again.
-            shadow_copies = {"model": "fk", "version": "2", "role": "candidate"}
+            # Whichever copy meets it first pauses the canary: a candidate copy (v2) or an A/A copy (the shadow's v1).
+            shadow_copies = [{"model": "fk", "version": "2", "role": "candidate"},
+                             {"model": "fk", "version": "1", "role": "aa"}]  # fmt: skip
             assert await asyncio.to_thread(h.triton.model_ready, shadow_name("fk"), "2")
             await asyncio.to_thread(h.triton.unload, shadow_name("fk"))
 
@@ -220,7 +222,9 @@ async def test_triton_killed_and_restarted_pauses_reloads_and_resumes(tmp_path: 
                 st = await status(client, h, "fk")
                 assert st["state"] == "running", st["last"]  # never pinned for the missing shadow
                 missed = sum(
-                    h.metric("tunegate_requests_total", **shadow_copies, code=c) for c in ("404", "503")
+                    h.metric("tunegate_requests_total", **labels, code=c)
+                    for labels in shadow_copies
+                    for c in ("404", "503")
                 )
                 return missed > 0 and await asyncio.to_thread(h.triton.model_ready, shadow_name("fk"), "2")
 
