@@ -20,6 +20,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,8 @@ class CanaryManager:
         # Client requests now at Triton, per (model, version the sidecar routed them to): a promotion
         # unloads the baseline only once none of its requests are left.
         self.in_flight: collections.Counter[tuple[str, str]] = collections.Counter()
+        # the same count held by another process (the compiled gRPC front): (model, version) -> calls in flight
+        self.routed_elsewhere: Callable[[str, str], Awaitable[int]] | None = None
         self._memory_due: dict[str, float] = {}  # canary id -> when its memory is sampled next
         self._memory_series: dict[str, list[tuple[str, str, str]]] = {}  # model -> memory gauge labels set
         self._throughput_due: dict[str, float] = {}  # canary id -> when Triton's statistics are read next
@@ -86,12 +89,17 @@ class CanaryManager:
         return None if ms is None else ms.get("live")
 
     async def _drain_routed(self, model: str, version: int, timeout_s: float) -> int:
-        """Wait until no client request routed to `version` is in flight; returns how many were left at the timeout."""
+        """Wait until no client request routed to `version` is in flight; returns how many were left at the timeout.
+        Counts the compiled gRPC front's calls too (`routed_elsewhere`), after it has the new routing table."""
         key = (model, str(version))
         deadline = time.monotonic() + timeout_s
-        while self.in_flight[key] > 0 and time.monotonic() < deadline:
+        while True:
+            left = self.in_flight[key]
+            if self.routed_elsewhere is not None:
+                left += await self.routed_elsewhere(*key)
+            if left == 0 or time.monotonic() >= deadline:
+                return left
             await asyncio.sleep(0.01)
-        return self.in_flight[key]
 
     async def not_ready(self) -> str:
         """Why the client path cannot serve now ("" when it can): Triton not ready, or not serving a live version.
@@ -114,19 +122,21 @@ class CanaryManager:
         return rate >= 1.0 or self._random.random() < rate
 
     def offer(self, model: str, body: bytes, headers: Headers, primary: UpstreamResponse, primary_s: float,
-              request_id: str, protocol: str = "http") -> None:  # fmt: skip
+              request_id: str, protocol: str = "http", presampled: bool = False) -> None:  # fmt: skip
         """Mirror one answered client request (its raw header pairs; a gRPC one written as its HTTP equivalent,
-        sidecar.grpc_front); returns at once."""
+        sidecar.grpc_front); returns at once. `presampled`: the compiled gRPC front (sidecar.grpc_native) has
+        counted its latency in the budget's window and sampled it at the budget's rate already."""
         canary = self.canaries.get(model)
         if canary is None or canary.pending is not None or canary.paused is not None or primary.status != 200:
             return
         p = canary.params
         budget = canary.budget
-        counts = budget.counts  # the client latency window of the mirror budget (None: not counting now)
-        if counts is not None:
-            counts[bisect.bisect_left(BOUNDS, primary_s)] += 1
-        if not self.sample(budget.rate):
-            return
+        if not presampled:
+            counts = budget.counts  # the client latency window of the mirror budget (None: not counting now)
+            if counts is not None:
+                counts[bisect.bisect_left(BOUNDS, primary_s)] += 1
+            if not self.sample(budget.rate):
+                return
         # Stateful sequences and decoupled models are not replayed (sidecar.semantics); counted, never mirrored.
         skip = canary.semantics.skip if canary.semantics is not None else None
         if skip is not None or sequence_request(body, headers):
@@ -144,10 +154,10 @@ class CanaryManager:
         job = MirrorJob(self, canary, body, fwd, primary, primary_s, request_id, aa, protocol)
         job._step(job.start)
 
-    def skip(self, model: str, reason: str) -> None:
+    def skip(self, model: str, reason: str, presampled: bool = False) -> None:
         """A sampled request of a running canary that cannot be mirrored (sidecar.metrics.SKIP_REASONS)."""
         canary = self.canaries.get(model)
-        if canary is not None and canary.pending is None and self.sample(canary.budget.rate):
+        if canary is not None and canary.pending is None and (presampled or self.sample(canary.budget.rate)):
             self._skipped(canary, reason)
 
     def _skipped(self, canary: Canary, reason: str) -> None:

@@ -221,35 +221,7 @@ class GrpcFront:
 
     def _after(self, req: pb.ModelInferRequest, raw_resp: bytes, seconds: float, mirror: bool, capture: bool,
                unversioned: bool) -> None:  # fmt: skip
-        request_id = f"{self._ids.getrandbits(128):032x}"  # names it in exemplars and captures
-        if mirror:
-            self._offer(req, raw_resp, seconds, request_id)
-        if capture and self.capture is not None and not grpc_codec.uses_shared_memory(req):
-            try:
-                body, hl = grpc_codec.request_to_http(req)
-            except grpc_codec.GrpcCodecError:
-                return
-            version = None if unversioned else req.model_version
-            self.capture.write(CaptureRecord(ts=time.time(), model=req.model_name, version=version, body=body,
-                                             header_length=hl, request_id=request_id, protocol="grpc"))  # fmt: skip
-
-    def _offer(self, req: pb.ModelInferRequest, raw_resp: bytes, seconds: float, request_id: str) -> None:
-        """Offer one answered gRPC inference to the canary, written as its HTTP equivalent."""
-        try:
-            model = req.model_name
-            if grpc_codec.uses_shared_memory(req):
-                self.manager.skip(model, "shared_memory")
-                return
-            body, hl = grpc_codec.request_to_http(req)
-            answer, answer_hl = grpc_codec.response_to_http(pb.ModelInferResponse.FromString(raw_resp))
-            primary = UpstreamResponse(200, b"OK", [(MIRROR_HEADERS.encode(), b"%d" % answer_hl)], answer)
-            headers = [(b"content-type", b"application/octet-stream"), (MIRROR_HEADERS.encode(), b"%d" % hl)]
-            self.manager.offer(model, body, headers, primary, seconds, request_id, protocol="grpc")
-        except (grpc_codec.GrpcCodecError, DecodeError) as exc:
-            self.manager.skip(req.model_name, "untranslatable")
-            LOG.debug("gRPC request not mirrored: %s", exc)
-        except Exception:  # a bug here must never reach the client path
-            LOG.exception("gRPC mirror offer failed")
+        answered(self.manager, self.capture, self._ids, req, raw_resp, seconds, mirror, capture, unversioned)
 
     async def stream(
         self, requests: AsyncIterator[bytes], ctx: grpc.aio.ServicerContext
@@ -295,6 +267,46 @@ class GrpcFront:
         if refused:
             await self._refuse(ctx, method, grpc.StatusCode.PERMISSION_DENIED if refused[0] == SHADOW_REFUSAL
                                else grpc.StatusCode.INVALID_ARGUMENT, refused[0])  # fmt: skip
+
+
+def answered(manager: CanaryManager, capture_writer: CaptureWriter | None, ids: random.Random,
+             req: pb.ModelInferRequest, raw_resp: bytes, seconds: float, mirror: bool, capture: bool,
+             unversioned: bool, presampled: bool = False) -> None:  # fmt: skip
+    """What follows an answered ModelInfer, off the client path: offer it to the canary (`mirror`) and capture it
+    (`capture`). `presampled`: the compiled front has already counted its latency and sampled it."""
+    request_id = f"{ids.getrandbits(128):032x}"  # names it in exemplars and captures
+    if mirror:
+        _offer(manager, req, raw_resp, seconds, request_id, presampled)
+    if capture and capture_writer is not None and not grpc_codec.uses_shared_memory(req):
+        try:
+            body, hl = grpc_codec.request_to_http(req)
+        except grpc_codec.GrpcCodecError:
+            return
+        version = None if unversioned else req.model_version
+        capture_writer.write(CaptureRecord(ts=time.time(), model=req.model_name, version=version, body=body,
+                                           header_length=hl, request_id=request_id, protocol="grpc"))  # fmt: skip
+
+
+def _offer(manager: CanaryManager, req: pb.ModelInferRequest, raw_resp: bytes, seconds: float, request_id: str,
+           presampled: bool) -> None:  # fmt: skip
+    """Offer one answered gRPC inference to the canary, written as its HTTP equivalent."""
+    try:
+        model = req.model_name
+        if grpc_codec.uses_shared_memory(req):
+            manager.skip(model, "shared_memory", presampled=presampled)
+            return
+        body, hl = grpc_codec.request_to_http(req)
+        answer, answer_hl = grpc_codec.response_to_http(pb.ModelInferResponse.FromString(raw_resp))
+        primary = UpstreamResponse(200, b"OK", [(MIRROR_HEADERS.encode(), b"%d" % answer_hl)], answer)
+        headers = [(b"content-type", b"application/octet-stream"), (MIRROR_HEADERS.encode(), b"%d" % hl)]
+        manager.offer(
+            model, body, headers, primary, seconds, request_id, protocol="grpc", presampled=presampled
+        )
+    except (grpc_codec.GrpcCodecError, DecodeError) as exc:
+        manager.skip(req.model_name, "untranslatable", presampled=presampled)
+        LOG.debug("gRPC request not mirrored: %s", exc)
+    except Exception:  # a bug here must never reach the client path
+        LOG.exception("gRPC mirror offer failed")
 
 
 def shape_refusal(req: pb.ModelInferRequest, size: int) -> str:

@@ -298,24 +298,41 @@ class SidecarMetrics:
         A model or version the repository does not hold (any URL can name one) is counted under OTHER, so the
         series stay as many as the repository's versions however many names clients send.
         """
+        children = self._children.get((model, version, role, code)) or self._request_children(model, version, role,
+                                                                                               code)  # fmt: skip
+        children[0].value += 1.0
+        if seconds is not None:
+            children[1].observe(seconds)
+
+    def add_requests(self, model: str, version: str, role: str, code: int, count: int, seconds_sum: float,
+                     buckets: Sequence[int]) -> None:  # fmt: skip
+        """Count requests observed elsewhere (the compiled gRPC front): `buckets` per LATENCY_BUCKETS bound and one
+        above, empty for requests without a latency."""
+        children = self._children.get((model, version, role, code)) or self._request_children(model, version, role,
+                                                                                               code)  # fmt: skip
+        children[0].value += count
+        if buckets:
+            obs = children[1]
+            for i, n in enumerate(buckets[: len(obs.counts)]):
+                obs.counts[i] += n
+            obs.sum += seconds_sum
+
+    def _request_children(
+        self, model: str, version: str, role: str, code: int
+    ) -> tuple[_Count, _Observations]:
+        versions = self.known.get(model)
+        if versions is None:
+            model = version = OTHER
+        elif version not in versions and version != "":
+            version = OTHER
         key = (model, version, role, code)
         children = self._children.get(key)
-        if children is None:
-            versions = self.known.get(model)
-            if versions is None:
-                model = version = OTHER
-            elif version not in versions and version != "":
-                version = OTHER
-            key = (model, version, role, code)
-            children = self._children.get(key)
         if children is None:
             children = self._children[key] = (
                 self.requests.labels(model, version, role, str(code)),
                 self.latency.labels(model, version, role),
             )
-        children[0].value += 1.0
-        if seconds is not None:
-            children[1].observe(seconds)
+        return children
 
     @staticmethod
     def inc(counter: LoopCounter, *labels: str) -> None:
