@@ -30,8 +30,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from sidecar.canary import CanaryError, CanaryManager
-from sidecar.config import SidecarConfig
+from sidecar.config import ConfigError, SidecarConfig
 from sidecar.grpc_front import GrpcFront
+from sidecar.grpc_native import BINARY as GRPC_BINARY
+from sidecar.grpc_native import NativeGrpcFront, find_binary
 from sidecar.judge import PIN, PROMOTE
 from sidecar.metrics import SidecarMetrics
 from sidecar.proxy import CAPTURE, CONFIG, MANAGER, METRICS, PEER_HEADER, UPSTREAM, Front
@@ -268,7 +270,7 @@ class RunningSidecar:
     """The front listening on `port`, the admin application behind it; `close()` stops both."""
 
     def __init__(self, app: web.Application, runner: web.AppRunner, server: asyncio.Server, front: Front,
-                 admin: UpstreamPool, sockdir: str, grpc_front: GrpcFront | None = None) -> None:  # fmt: skip
+                 admin: UpstreamPool, sockdir: str, grpc_front: GrpcFront | NativeGrpcFront | None = None) -> None:  # fmt: skip
         self.app, self.runner, self.server, self.front, self.admin, self.sockdir = (
             app,
             runner,
@@ -292,6 +294,23 @@ class RunningSidecar:
         shutil.rmtree(self.sockdir, ignore_errors=True)
 
 
+def make_grpc_front(config: SidecarConfig, manager: CanaryManager, metrics: SidecarMetrics,
+                    capture: CaptureWriter | None) -> GrpcFront | NativeGrpcFront:  # fmt: skip
+    """The gRPC front `grpc_front` asks for: the compiled one where it is installed (or required), else Python's."""
+    binary = None if config.grpc_front == "python" else find_binary()
+    if binary is not None:
+        return NativeGrpcFront(config, manager, metrics, capture, binary)
+    if config.grpc_front == "native":
+        raise ConfigError(
+            f'grpc_front = "native" but {GRPC_BINARY} is not installed (`make native`; or set TUNEGATE_GRPC_FRONT)'
+        )
+    if config.grpc_front == "auto":
+        LOG.warning(
+            "%s is not installed: the gRPC front runs in Python (several times the CPU per call)", GRPC_BINARY
+        )
+    return GrpcFront(config, manager, metrics, capture)
+
+
 async def start(config: SidecarConfig, registry: CollectorRegistry | None = None) -> RunningSidecar:
     """Set the application up (resume state), serve it on a private unix socket, and listen with the front."""
     app = build_app(config, registry)
@@ -299,7 +318,7 @@ async def start(config: SidecarConfig, registry: CollectorRegistry | None = None
     await runner.setup()
     sockdir = tempfile.mkdtemp(prefix="tunegate-sidecar-")
     server: asyncio.Server | None = None
-    grpc_front: GrpcFront | None = None
+    grpc_front: GrpcFront | NativeGrpcFront | None = None
     try:
         sock = os.path.join(sockdir, "admin.sock")
         await web.UnixSite(runner, sock).start()
@@ -314,7 +333,7 @@ async def start(config: SidecarConfig, registry: CollectorRegistry | None = None
             front.protocol(), config.listen_host, config.listen_port, backlog=1024, reuse_address=True)  # fmt: skip
         front.start_sweeping()
         if config.grpc_listen is not None:
-            grpc_front = GrpcFront(config, app[MANAGER], app[METRICS], app.get(CAPTURE))
+            grpc_front = make_grpc_front(config, app[MANAGER], app[METRICS], app.get(CAPTURE))
             await grpc_front.start()
     except BaseException:
         if grpc_front is not None:

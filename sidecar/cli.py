@@ -16,6 +16,8 @@ from rich.table import Table
 from sidecar.app import serve
 from sidecar.client import AdminClient, AdminError
 from sidecar.config import ConfigError, load_config, read_token
+from sidecar.grpc_native import BINARY as GRPC_BINARY
+from sidecar.grpc_native import find_binary
 from tunegate.console import CliError, emit_json, err, out
 from tunegate.records import atomic_write_text
 
@@ -43,6 +45,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--grpc-max-message-bytes",
         type=int,
         help="largest gRPC message either way (RESOURCE_EXHAUSTED above)",
+    )
+    p.add_argument(
+        "--grpc-front",
+        choices=("auto", "native", "python"),
+        help="the compiled gRPC front (native), grpcio's asyncio one (python), or native where installed (auto)",
     )
     p.add_argument("--state-dir", type=Path, help="where state.json and decisions.jsonl live")
     p.add_argument("--repository", type=Path, help="the model repository Triton serves (shared with Triton)")
@@ -105,12 +112,16 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         "repository": args.repository, "admin_token_file": args.admin_token_file,
         "capture_dir": args.capture_dir, "capture_rate": args.capture_rate, "max_body_bytes": args.max_body_bytes,
         "retain_versions": args.retain_versions, "admin_listen": args.admin_listen, "grpc_listen": args.grpc_listen,
-        "grpc_max_message_bytes": args.grpc_max_message_bytes,
+        "grpc_max_message_bytes": args.grpc_max_message_bytes, "grpc_front": args.grpc_front,
     }  # fmt: skip
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
         raise CliError(str(exc)) from exc
+    if config.grpc_listen is not None and config.grpc_front == "native" and find_binary() is None:
+        raise CliError(
+            f'grpc_front = "native" but {GRPC_BINARY} is not installed (`make native`; or set TUNEGATE_GRPC_FRONT)'
+        )
 
     def ready(port: int, grpc_port: int | None = None) -> None:
         err.print(f"[green]sidecar[/] listening on {config.listen_host}:{port} -> {config.upstream}")

@@ -18,6 +18,8 @@ from sidecar.judge import JudgeParams
 from tunegate import validate
 from tunegate.errors import InputError
 
+GRPC_FRONTS = ("auto", "native", "python")
+
 LATENCY_PAIRINGS = ("primary", "shadow")
 MAX_DEADLINE_S = 7 * 86400.0
 
@@ -170,6 +172,10 @@ class SidecarConfig:
     grpc_listen: tuple[str, int] | None = None
     grpc_max_message_bytes: int = 64 << 20  # a larger message is refused with RESOURCE_EXHAUSTED
     grpc_max_concurrent_rpcs: int = 1000  # calls beyond it are refused with RESOURCE_EXHAUSTED
+    # Which gRPC front serves: "native" the compiled one (tunegate-grpc-front, sidecar/grpc_native.py; several
+    # times less CPU per call), "python" grpcio's asyncio server (sidecar/grpc_front.py), "auto" native where the
+    # binary is installed, else python with a warning.
+    grpc_front: str = "auto"
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     admin_token: str | None = None  # read from the token file at startup; None disables admin
@@ -216,6 +222,8 @@ class SidecarConfig:
             raise ConfigError(
                 "grpc_listen needs upstream_grpc: the gRPC front forwards to Triton's gRPC port"
             )
+        if self.grpc_front not in GRPC_FRONTS:
+            raise ConfigError(f"grpc_front must be one of {', '.join(GRPC_FRONTS)}, got {self.grpc_front!r}")
         if not 0 <= self.listen_port <= 65535:
             raise ConfigError(f"listen port must be within 0..65535, got {self.listen_port}")
         if not Path(self.repository).is_dir():

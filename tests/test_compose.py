@@ -300,13 +300,15 @@ def test_gpu_override_reserves_gpus_for_triton_only() -> None:
 
 def test_dockerfile_is_pinned_non_root_and_copies_what_exists(stack: dict[str, Any], tmp_path: Path) -> None:
     text = DOCKERFILE.read_text()
-    (base,) = re.findall(r"^FROM\s+(\S+)", text, re.MULTILINE)
-    assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base), base
+    # A build stage for the compiled gRPC front, then the runtime image, on one pinned base.
+    bases = re.findall(r"^FROM\s+(\S+)", text, re.MULTILINE)
+    assert len(set(bases)) == 1 and re.fullmatch(r"python:3\.11\.\d+-slim-\w+", bases[0]), bases
+    assert "COPY --from=front /usr/local/bin/tunegate-grpc-front" in text
     # The build context is the repository root; the ignore file lets in only what is copied.
     lines = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().splitlines()
     ignore = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert ignore[0] == "**" and "**/*.onnx" in ignore
-    for src in re.findall(r"^COPY\s+(.+?)\s+\S+$", text, re.MULTILINE):
+    for src in re.findall(r"^COPY\s+(?!--from)(.+?)\s+\S+$", text, re.MULTILINE):
         for item in src.split():
             assert (ROOT / item).exists(), item
             assert f"!{item}" in ignore or f"!{item}/" in ignore, f"{item} is excluded from the build context"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,7 @@ def test_toml_and_flags(tmp_path: Path) -> None:
         ('upstream = "http://x"\ngrpc_listen = "127.0.0.1:8081"', "needs upstream_grpc"),
         ('upstream = "http://x"\nupstream_grpc = "t:8001"\ngrpc_listen = "8081"', "host:port"),
         ('upstream = "http://x"\ngrpc_max_message_bytes = 0', "grpc_max_message_bytes"),
+        ('upstream = "http://x"\ngrpc_front = "fast"', "grpc_front must be one of auto, native, python"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path: Path, toml: str, message: str) -> None:
@@ -71,6 +73,17 @@ def test_cli_exits_2_on_bad_config(tmp_path: Path) -> None:
         check=False, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and "is not a directory" in out.stderr
+
+
+def test_a_required_compiled_grpc_front_that_is_missing_is_a_clear_error(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tunegate.app.cli", "sidecar", "--upstream", "http://x", "--repository", str(tmp_path),
+         "--state-dir", str(tmp_path), "--upstream-grpc", "127.0.0.1:1", "--grpc-listen", "127.0.0.1:0",
+         "--grpc-front", "native"],
+        check=False, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "TUNEGATE_GRPC_FRONT": str(tmp_path / "missing")},
+    )  # fmt: skip
+    assert out.returncode == 2 and "tunegate-grpc-front is not installed" in out.stderr, out.stderr
 
 
 async def test_mirror_slots_drop_when_full_and_close_on_drain() -> None:

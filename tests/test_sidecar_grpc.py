@@ -5,7 +5,10 @@ from gRPC traffic alone and from HTTP and gRPC traffic together."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import queue
+import signal
 import subprocess
 import threading
 import time
@@ -26,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 from loadtest.runner import LoadOptions, run
 from sidecar.client import AdminClient, SidecarProcess, write_token_file
 from sidecar.control import shadow_name
+from sidecar.grpc_native import find_binary
 from tests.sidecar_models import FAST_PARAMS, TOKEN, add_model
 from tunegate import codec, grpc_codec, perf
 from tunegate.capture import read_capture
@@ -35,8 +39,35 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow]
 MODELS = ("plain", "grpcgood", "grpcbad", "mixed", "slowcand", "slowbase")
 
 
+NATIVE = find_binary() is not None
+NO_NATIVE = (
+    "tunegate-grpc-front is not built here (`make native` needs libgrpc++-dev): the Python front serves"
+)
+
+
+def _sidecar(work: Path, repo: Path, triton: EmbeddedTriton, front: str) -> SidecarProcess:
+    return SidecarProcess(upstream=triton.http_url, upstream_grpc=triton.grpc_address, grpc_listen="127.0.0.1:0",
+                          state_dir=work / f"state-{front}", repository=repo,
+                          token_file=write_token_file(work / "token", TOKEN),
+                          extra_args=("--grpc-max-message-bytes", str(1 << 20), "--capture-dir",
+                                      str(work / f"capture-{front}"), "--capture-rate", "1", "--grpc-front", front))  # fmt: skip
+
+
+def front_pids(sc: SidecarProcess) -> list[int]:
+    """The compiled fronts the sidecar runs as its children."""
+    assert sc.proc is not None
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            text = stat.read_text()  # "pid (comm) state ppid ..."; comm is cut to 15 characters
+            comm, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+            if comm == "tunegate-grpc-f" and int(rest[1]) == sc.proc.pid and rest[0] != "Z":
+                pids.append(int(stat.parent.name))
+    return pids
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedTriton, SidecarProcess]]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, EmbeddedTriton]]:
     work = tmp_path_factory.mktemp("grpc")
     repo = work / "repo"
     add_model(repo, "plain", {})
@@ -45,13 +76,36 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedTr
     add_model(repo, "mixed", {2: {}})
     add_model(repo, "slowcand", {2: {"delay_ms": 100}})
     add_model(repo, "slowbase", {}, baseline={"delay_ms": 100})
-    with EmbeddedTriton(TritonOptions(repository=repo, models=MODELS), workdir=work / "t") as triton, \
-            SidecarProcess(upstream=triton.http_url, upstream_grpc=triton.grpc_address, grpc_listen="127.0.0.1:0",
-                           state_dir=work / "state", repository=repo,
-                           token_file=write_token_file(work / "token", TOKEN),
-                           extra_args=("--grpc-max-message-bytes", str(1 << 20), "--capture-dir", str(work / "capture"),
-                                       "--capture-rate", "1")) as sc:  # fmt: skip
+    with EmbeddedTriton(TritonOptions(repository=repo, models=MODELS), workdir=work / "t") as triton:
+        yield work, repo, triton
+
+
+@pytest.fixture(scope="module")
+def stack(served: tuple[Path, Path, EmbeddedTriton]) -> Iterator[tuple[EmbeddedTriton, SidecarProcess]]:
+    """The sidecar with the compiled front where it is built (what production runs), else the Python front."""
+    work, repo, triton = served
+    with _sidecar(work, repo, triton, "native" if NATIVE else "python") as sc:
+        assert len(front_pids(sc)) == int(NATIVE)
         yield triton, sc
+
+
+@pytest.fixture(scope="module")
+def python_stack(
+    served: tuple[Path, Path, EmbeddedTriton],
+) -> Iterator[tuple[EmbeddedTriton, SidecarProcess]]:
+    """The same sidecar with grpcio's asyncio front (the fallback where the compiled one is not installed)."""
+    work, repo, triton = served
+    with _sidecar(work, repo, triton, "python") as sc:
+        assert front_pids(sc) == []
+        yield triton, sc
+
+
+@pytest.fixture(params=["native", "python"])
+def any_front(request: pytest.FixtureRequest) -> tuple[EmbeddedTriton, SidecarProcess]:
+    """Both fronts, for the calls whose answers and refusals must not depend on which one serves."""
+    if request.param == "native" and not NATIVE:
+        pytest.skip(NO_NATIVE)
+    return request.getfixturevalue("stack" if request.param == "native" else "python_stack")
 
 
 def inputs(x: np.ndarray) -> list[grpcclient.InferInput]:
@@ -64,8 +118,8 @@ def x_of(seed: int, rows: int = 2) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, 4)).astype(np.float32)
 
 
-def test_stock_grpc_clients_get_tritons_answers(stack: tuple[EmbeddedTriton, SidecarProcess]) -> None:
-    triton, sc = stack
+def test_stock_grpc_clients_get_tritons_answers(any_front: tuple[EmbeddedTriton, SidecarProcess]) -> None:
+    triton, sc = any_front
     via, direct = (
         grpcclient.InferenceServerClient(sc.grpc_address),
         grpcclient.InferenceServerClient(triton.grpc_address),
@@ -104,8 +158,8 @@ def test_stock_grpc_clients_get_tritons_answers(stack: tuple[EmbeddedTriton, Sid
     direct.close()
 
 
-async def test_the_aio_client_gets_tritons_answers(stack: tuple[EmbeddedTriton, SidecarProcess]) -> None:
-    triton, sc = stack
+async def test_the_aio_client_gets_tritons_answers(any_front: tuple[EmbeddedTriton, SidecarProcess]) -> None:
+    triton, sc = any_front
     async with grpcaio.InferenceServerClient(sc.grpc_address) as via, \
             grpcaio.InferenceServerClient(triton.grpc_address) as direct:  # fmt: skip
         xs = [x_of(40 + i) for i in range(16)]
@@ -121,8 +175,8 @@ async def test_the_aio_client_gets_tritons_answers(stack: tuple[EmbeddedTriton, 
         assert await via.is_model_ready("plain")
 
 
-def test_refused_calls_get_permission_denied(stack: tuple[EmbeddedTriton, SidecarProcess]) -> None:
-    _, sc = stack
+def test_refused_calls_get_permission_denied(any_front: tuple[EmbeddedTriton, SidecarProcess]) -> None:
+    _, sc = any_front
     via = grpcclient.InferenceServerClient(sc.grpc_address)
     for call in (lambda: via.load_model("plain"), lambda: via.unload_model("plain"),
                  lambda: via.register_system_shared_memory("r", "/k", 64),
@@ -137,8 +191,8 @@ def test_refused_calls_get_permission_denied(stack: tuple[EmbeddedTriton, Sideca
     via.close()
 
 
-def test_malformed_oversized_and_late_calls(stack: tuple[EmbeddedTriton, SidecarProcess]) -> None:
-    triton, sc = stack
+def test_malformed_oversized_and_late_calls(any_front: tuple[EmbeddedTriton, SidecarProcess]) -> None:
+    triton, sc = any_front
     with grpc.insecure_channel(sc.grpc_address) as ch:
         raw = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer")
         with pytest.raises(grpc.RpcError) as info:
@@ -353,3 +407,41 @@ def test_grpc_and_http_forms_of_one_request_agree() -> None:
     assert grpc_codec.uses_shared_memory(shm)
     with pytest.raises(grpc_codec.GrpcCodecError):
         grpc_codec.request_to_http(shm)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper has exited)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not NATIVE, reason=NO_NATIVE)
+def test_the_compiled_front_comes_back_on_its_port_and_dies_with_the_sidecar(
+    served: tuple[Path, Path, EmbeddedTriton],
+) -> None:
+    work, repo, triton = served
+    (work / "life").mkdir()
+    sc = _sidecar(work / "life", repo, triton, "native").start()
+    try:
+        (pid,) = front_pids(sc)
+        os.kill(pid, signal.SIGKILL)  # the front crashes: the sidecar starts it again on the same port
+        x, deadline, answer = x_of(3), time.monotonic() + 20, None
+        while answer is None and time.monotonic() < deadline:
+            with (
+                grpcclient.InferenceServerClient(sc.grpc_address) as via,
+                contextlib.suppress(InferenceServerException),
+            ):
+                answer = via.infer("plain", inputs(x), client_timeout=2).as_numpy("y")
+            time.sleep(0.2)
+        assert answer is not None and np.array_equal(answer, 2 * x)
+        (again,) = front_pids(sc)
+        assert again != pid
+        sc.kill()  # SIGKILL: no cleanup runs in the sidecar; the front must not outlive it
+        deadline = time.monotonic() + 10
+        while _alive(again) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(again), "the compiled front outlived its sidecar"
+    finally:
+        sc.stop()
