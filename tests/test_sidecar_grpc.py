@@ -36,7 +36,7 @@ from tunegate.capture import read_capture
 from tunegate.triton import EmbeddedTriton, TritonOptions
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
-MODELS = ("plain", "grpcgood", "grpcbad", "mixed", "slowcand", "slowbase")
+MODELS = ("plain", "grpcgood", "grpcbad", "mixed", "slowcand", "slowbase", "pagrpc", "pahttp")
 
 
 NATIVE = find_binary() is not None
@@ -76,6 +76,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Pat
     add_model(repo, "mixed", {2: {}})
     add_model(repo, "slowcand", {2: {"delay_ms": 100}})
     add_model(repo, "slowbase", {}, baseline={"delay_ms": 100})
+    add_model(repo, "pagrpc", {2: {}})
+    add_model(repo, "pahttp", {2: {}})
     with EmbeddedTriton(TritonOptions(repository=repo, models=MODELS), workdir=work / "t") as triton:
         yield work, repo, triton
 
@@ -349,18 +351,29 @@ def test_a_slow_candidate_leaves_grpc_clients_latency_alone(
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_perf_analyzer_runs_through_the_sidecar(stack: tuple[EmbeddedTriton, SidecarProcess], protocol: str,
                                                 tmp_path: Path) -> None:  # fmt: skip
-    """Triton's own load generator (a client nobody here wrote) through the sidecar: every request succeeds."""
+    """Triton's own load generator (a client nobody here wrote) through the sidecar: every request succeeds, and
+    the canary running meanwhile compares its requests' copies without a replay error (perf_analyzer's gRPC
+    calls carry a parameter Triton's HTTP server refuses, which the replay must not pass on)."""
     _, sc = stack
+    model = f"pa{protocol}"
+    admin = AdminClient(sc.url, TOKEN)
+    admin.start(model, 2, **{**FAST_PARAMS, "min_samples": 10**6, "deadline_s": 600, "sample_rate": 1.0})
     url = sc.grpc_address if protocol == "grpc" else f"127.0.0.1:{sc.port}"
     out = tmp_path / "pa.csv"
     proc = subprocess.run(
-        [perf.executable(), "-m", "plain", "-i", protocol, "-u", url, "--shape", "x:2,4", "--concurrency-range", "2",
+        [perf.executable(), "-m", model, "-i", protocol, "-u", url, "--shape", "x:2,4", "--concurrency-range", "2",
          "--measurement-interval", "1500", "--stability-percentage", "100", "--max-trials", "3", "-f", str(out)],
         capture_output=True, text=True, timeout=120, env=perf.env(), check=False,
     )  # fmt: skip
+    try:
+        ev = admin.status(model)["canary"]["evidence"]
+    finally:
+        admin.pin(model)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = out.read_text().splitlines()
     assert rows[0].startswith("Concurrency") and float(rows[1].split(",")[1]) > 0, rows
+    assert ev["compared"] > 0 and ev["errors"] == 0 and ev["aa_errors"] == 0, ev
+    assert ev["protocols"].get(protocol, 0) > 0, ev["protocols"]
 
 
 def test_grpc_captures_replay_over_grpc_with_locust(stack: tuple[EmbeddedTriton, SidecarProcess]) -> None:
@@ -393,10 +406,13 @@ def test_grpc_and_http_forms_of_one_request_agree() -> None:
     body, hl = codec.encode_request({"x": x, "w": words}, request_id="q1")
     req = grpc_codec.http_to_request(body, hl, "m", "3")
     req.parameters["sequence_id"].int64_param = 7
+    # A directive to Triton's gRPC server (perf_analyzer sends it): Triton's HTTP server refuses `triton_` keys.
+    req.parameters["triton_enable_empty_final_response"].bool_param = False
     back, back_hl = grpc_codec.request_to_http(req)
     msg = codec.decode_request(back, back_hl)
     assert np.array_equal(msg.arrays()["x"], x) and list(msg.arrays()["w"].ravel()) == list(words)
     assert msg.header["id"] == "q1" and msg.header["parameters"]["sequence_id"] == 7
+    assert not any(k.startswith("triton_") for k in msg.header["parameters"]), msg.header["parameters"]
     typed = pb.ModelInferRequest(model_name="m")
     t = typed.inputs.add(name="x", datatype="FP32", shape=[3, 4])
     t.contents.fp32_contents.extend(x.ravel().tolist())

@@ -22,6 +22,7 @@ from tunegate import codec
 from tunegate.errors import InputError
 
 SHARED_MEMORY_KEYS = frozenset({"shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"})
+GRPC_DIRECTIVE_PREFIX = "triton_"
 
 # datatype -> (InferTensorContents field, numpy dtype of its elements as the protocol sends them)
 _TYPED = {
@@ -123,7 +124,9 @@ def request_to_http(req: pb.ModelInferRequest) -> tuple[bytes, int]:
     doc: dict[str, Any] = {}
     if req.id:
         doc["id"] = req.id
-    params = parameters(req.parameters)
+    # `triton_`-prefixed keys are directives to Triton's gRPC server (perf_analyzer sends
+    # triton_enable_empty_final_response on every call), which its HTTP server refuses as reserved.
+    params = {k: v for k, v in parameters(req.parameters).items() if not k.startswith(GRPC_DIRECTIVE_PREFIX)}
     if req.outputs:
         doc["outputs"] = [
             {"name": o.name, "parameters": {**parameters(o.parameters), "binary_data": True}}
