@@ -9,7 +9,9 @@ round's own ratios.
   direct            perf_analyzer -> Triton's gRPC port
   nginx             perf_analyzer -> nginx (http2 listener, grpc_pass, upstream keepalive) -> Triton
   nginx+mirror      ... plus `mirror` + `mirror_request_body on` (100%) to a location with grpc_pass: see below
-  sidecar           perf_analyzer -> the sidecar's gRPC front (no canary) -> Triton
+  sidecar           perf_analyzer -> the sidecar's compiled gRPC front (tunegate-grpc-front, no canary) -> Triton
+  sidecar(python)   ... the same through the Python front (grpcio asyncio; the fallback where the compiled one
+                    is not installed)
   sidecar+mirror    ... with a canary mirroring 100% to an identical candidate
   sidecar+slow      ... mirroring (sample 100%, bounded) to a candidate 100 ms slower: clients' p99
 
@@ -21,8 +23,9 @@ Triton and model, twice the work, as nginx+mirror does for HTTP), never to a can
     .venv/bin/python benchmarks/sidecar_grpc.py --duration 5 --repeats 3     # the real run (quiet machine)
     .venv/bin/python benchmarks/sidecar_grpc.py --duration 2 --repeats 1 -c 1 # smoke
 
-Needs `nginx` on PATH, and for perf_analyzer `libb64.so.0d` (Debian libb64-0d) and `libcudart.so.12` (PyPI
-nvidia-cuda-runtime-cu12; found in the venv and put on LD_LIBRARY_PATH here).
+Needs `nginx` on PATH, the compiled front (`make native`), and for perf_analyzer `libb64.so.0d` (Debian
+libb64-0d) and `libcudart.so.12` (PyPI nvidia-cuda-runtime-cu12; found in the venv and put on LD_LIBRARY_PATH
+here).
 """
 
 from __future__ import annotations
@@ -70,10 +73,14 @@ NGINX_CONF = (
 }}
 """
 )
-FAST_SETUPS = ("direct", "nginx", "sidecar", "nginx+mirror", "sidecar+mirror")
+FAST_SETUPS = ("direct", "nginx", "sidecar", "sidecar(python)", "nginx+mirror", "sidecar+mirror")
 SLOW_SETUPS = ("sidecar+slow",)
 SIDECAR_MODELS = {"sidecar": "plain", "sidecar+mirror": "ident", "sidecar+slow": "idents"}
-RATIOS = {"passthrough": ("sidecar", "nginx"), "mirrored": ("sidecar+mirror", "nginx+mirror")}
+RATIOS = {
+    "passthrough": ("sidecar", "nginx"),
+    "passthrough, Python front": ("sidecar(python)", "nginx"),
+    "mirrored": ("sidecar+mirror", "nginx+mirror"),
+}
 
 
 @contextlib.contextmanager
@@ -162,10 +169,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         console.print(f"nginx mirror through grpc_pass: {mirror_probe}")
         sc = stack.enter_context(SidecarProcess(upstream=triton.http_url, upstream_grpc=triton.grpc_address,
                                                 grpc_listen="127.0.0.1:0", state_dir=work / "state",
-                                                repository=repo, token_file=token))  # fmt: skip
+                                                repository=repo, token_file=token,
+                                                extra_args=("--grpc-front", "native")))  # fmt: skip
         sc_pid = sc.proc.pid if sc.proc is not None else None
         for name, model in SIDECAR_MODELS.items():
             targets[name] = (sc.grpc_address, model, sc_pid)
+        py = stack.enter_context(SidecarProcess(upstream=triton.http_url, upstream_grpc=triton.grpc_address,
+                                                grpc_listen="127.0.0.1:0", state_dir=work / "state-python",
+                                                repository=repo, extra_args=("--grpc-front", "python")))  # fmt: skip
+        targets["sidecar(python)"] = (py.grpc_address, "plain", py.proc.pid if py.proc is not None else None)
         admin = AdminClient(sc.url, TOKEN)
         # As in sidecar_vs_nginx.py: every response compared, no judge decision ends a run.
         unjudged = {"min_samples": 10**9, "deadline_s": 86400.0, "aa_rate": 0.0, "sample_rate": 1.0,
@@ -204,7 +216,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     slow = slow_ratios(raw, args.concurrency)
     return {"results": results, "ratios": ratios, "slow_candidate": slow, "nginx_mirror": mirror_probe,
             "runs": raw, "duration_s": args.duration, "repeats": args.repeats,
-            "mirror_evidence": {m: (e or {}).get("evidence", {}).get("compared") for m, e in evidence.items()}}  # fmt: skip
+            "mirror_evidence": {m: {k: (e or {}).get("evidence", {}).get(k) for k in ("compared", "errors", "aa_errors")}
+                                for m, e in evidence.items()}}  # fmt: skip
 
 
 def slow_ratios(
@@ -248,6 +261,11 @@ def report(data: dict[str, Any]) -> None:
     console.print("100 ms slower candidate, gRPC clients' p99 against an identical one mirrored the same way / "
                   "against passthrough: " + ", ".join(f"c={c} {r['p99_vs_identical']:.2f}x / {r['p99_vs_passthrough']:.2f}x"
                                                       for c, r in data["slow_candidate"].items()))  # fmt: skip
+    for m, ev in data["mirror_evidence"].items():
+        # A mirrored row whose copies were not compared (or failed) measured something other than mirroring.
+        style = "red" if not ev["compared"] or ev["errors"] or ev["aa_errors"] else "green"
+        console.print(f"[{style}]canary of {m}: {ev['compared']} copies compared, {ev['errors']} candidate and "
+                      f"{ev['aa_errors']} baseline replay errors")  # fmt: skip
     probe = data["nginx_mirror"]
     console.print(
         f"nginx mirror through grpc_pass: {probe['client_requests']} client requests, "

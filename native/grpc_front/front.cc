@@ -1,4 +1,4 @@
-// tunegate-grpc-front: the sidecar's gRPC client path, compiled (libgrpc++, callback API).
+// tunegate-grpc-front: the sidecar's gRPC client path, compiled (libgrpc++, completion-queue async API).
 //
 // Serves Triton's inference.GRPCInferenceService in front of Triton's gRPC port, passing calls through as bytes.
 // The sidecar (sidecar/grpc_native.py) starts it as its child and talks to it over a Unix socket:
