@@ -78,6 +78,9 @@ class CanaryManager:
         self.in_flight: collections.Counter[tuple[str, str]] = collections.Counter()
         # the same count held by another process (the compiled gRPC front): (model, version) -> calls in flight
         self.routed_elsewhere: Callable[[str, str], Awaitable[int]] | None = None
+        # told (model, busy) when a shadow-paired canary's pair leaves and when it is back: the compiled gRPC
+        # front offers no call while the pair is out (admit would refuse it); a hint, admit decides
+        self.pair_busy: Callable[[str, bool], None] | None = None
         self._memory_due: dict[str, float] = {}  # canary id -> when its memory is sampled next
         self._memory_series: dict[str, list[tuple[str, str, str]]] = {}  # model -> memory gauge labels set
         self._throughput_due: dict[str, float] = {}  # canary id -> when Triton's statistics are read next
@@ -121,30 +124,56 @@ class CanaryManager:
     def sample(self, rate: float) -> bool:
         return rate >= 1.0 or self._random.random() < rate
 
-    def offer(self, model: str, body: bytes, headers: Headers, primary: UpstreamResponse, primary_s: float,
-              request_id: str, protocol: str = "http", presampled: bool = False) -> None:  # fmt: skip
-        """Mirror one answered client request (its raw header pairs; a gRPC one written as its HTTP equivalent,
-        sidecar.grpc_front); returns at once. `presampled`: the compiled gRPC front (sidecar.grpc_native) has
-        counted its latency in the budget's window and sampled it at the budget's rate already."""
+    def _register(self, canary: Canary) -> None:
+        self.canaries[canary.model] = canary
+        if canary.params.latency_pairing == "shadow":
+            canary.slots.listener = functools.partial(self._pair_busy, canary.model)
+
+    def _pair_busy(self, model: str, busy: bool) -> None:
+        if self.pair_busy is not None:
+            try:
+                self.pair_busy(model, busy)
+            except Exception:  # a hint: never let it stop a mirror
+                LOG.exception("pair state of %s not passed on", model)
+
+    def admit(self, model: str, primary_s: float, presampled: bool = False) -> Canary | None:
+        """The canary an answered (200) client request of `model` is sampled for, or None: no canary taking
+        evidence, not sampled at the mirror budget's rate, or (shadow pairing) the pair in flight. Counts the
+        request's latency in the budget's window. Cheap, so a front can ask before it writes the request's
+        HTTP form (sidecar.grpc_front). `presampled`: the compiled gRPC front (sidecar.grpc_native) has counted
+        its latency and sampled it at the budget's rate already."""
         canary = self.canaries.get(model)
-        if canary is None or canary.pending is not None or canary.paused is not None or primary.status != 200:
-            return
-        p = canary.params
-        budget = canary.budget
+        if canary is None or canary.pending is not None or canary.paused is not None:
+            return None
         if not presampled:
+            budget = canary.budget
             counts = budget.counts  # the client latency window of the mirror budget (None: not counting now)
             if counts is not None:
                 counts[bisect.bisect_left(BOUNDS, primary_s)] += 1
             if not self.sample(budget.rate):
-                return
+                return None
+        if canary.params.latency_pairing == "shadow" and canary.slots.full():
+            return None  # one pair at a time: a request that finds the pair in flight is not sampled (not a drop)
+        return canary
+
+    def offer(self, model: str, body: bytes, headers: Headers, primary: UpstreamResponse, primary_s: float,
+              request_id: str, protocol: str = "http", presampled: bool = False, admitted: bool = False) -> None:  # fmt: skip
+        """Mirror one answered client request (its raw header pairs; a gRPC one written as its HTTP equivalent,
+        sidecar.grpc_front); returns at once. `admitted`: `admit` has said yes to it just now."""
+        if primary.status != 200:
+            return
+        canary = self.canaries.get(model) if admitted else self.admit(model, primary_s, presampled)
+        if canary is None:
+            return
+        p = canary.params
         # Stateful sequences and decoupled models are not replayed (sidecar.semantics); counted, never mirrored.
         skip = canary.semantics.skip if canary.semantics is not None else None
         if skip is not None or sequence_request(body, headers):
-            self._skipped(canary, skip or SEQUENCE)
+            self.skipped(canary, skip or SEQUENCE)
             return
         acquired = canary.slots.acquire()
         if not acquired and p.latency_pairing == "shadow":
-            return  # one pair at a time: a request that finds the pair in flight is not sampled (not a drop)
+            return  # admitted, then the pair left first (not a drop)
         self.metrics.inc(self.metrics.mirror_sampled, model, "candidate")
         if not acquired:
             self.metrics.inc(self.metrics.mirror_dropped, model, "candidate", "full")
@@ -154,13 +183,8 @@ class CanaryManager:
         job = MirrorJob(self, canary, body, fwd, primary, primary_s, request_id, aa, protocol)
         job._step(job.start)
 
-    def skip(self, model: str, reason: str, presampled: bool = False) -> None:
+    def skipped(self, canary: Canary, reason: str) -> None:
         """A sampled request of a running canary that cannot be mirrored (sidecar.metrics.SKIP_REASONS)."""
-        canary = self.canaries.get(model)
-        if canary is not None and canary.pending is None and (presampled or self.sample(canary.budget.rate)):
-            self._skipped(canary, reason)
-
-    def _skipped(self, canary: Canary, reason: str) -> None:
         self.metrics.inc(self.metrics.mirror_skipped, canary.model, reason)
         canary.evidence.skipped[reason] = canary.evidence.skipped.get(reason, 0) + 1
         self._dirty = True
@@ -407,7 +431,7 @@ class CanaryManager:
                 canary.evidence.expected_classes = dict(release.get("gate", {}).get("classes", {}) or {})
                 g = release.get("gate") or {}
                 canary.gate = {k: g.get(k) for k in GATE_FIGURES} if isinstance(g, dict) and g else None
-            self.canaries[model] = canary
+            self._register(canary)
             ms = self.store.model(model)
             ms["live"], ms["canary"] = live, canary.to_dict()
             await self._save()
@@ -593,7 +617,7 @@ class CanaryManager:
                     canary.semantics is None
                 ):  # a state file written before the config was kept with the canary
                     canary.semantics = await self._semantics(model)
-                self.canaries[model] = canary
+                self._register(canary)
                 if canary.pending is not None:
                     await self._complete(canary)
                 elif not await self.control.serving(model, canary.baseline):

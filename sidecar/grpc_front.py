@@ -289,21 +289,25 @@ def answered(manager: CanaryManager, capture_writer: CaptureWriter | None, ids: 
 
 def _offer(manager: CanaryManager, req: pb.ModelInferRequest, raw_resp: bytes, seconds: float, request_id: str,
            presampled: bool) -> None:  # fmt: skip
-    """Offer one answered gRPC inference to the canary, written as its HTTP equivalent."""
+    """Offer one answered gRPC inference to the canary, written as its HTTP equivalent: only once the canary has
+    admitted it (sampled, the pair free), since writing that form costs more than the call's own pass-through."""
+    canary = None
     try:
         model = req.model_name
+        canary = manager.admit(model, seconds, presampled)
+        if canary is None:
+            return
         if grpc_codec.uses_shared_memory(req):
-            manager.skip(model, "shared_memory", presampled=presampled)
+            manager.skipped(canary, "shared_memory")
             return
         body, hl = grpc_codec.request_to_http(req)
         answer, answer_hl = grpc_codec.response_to_http(pb.ModelInferResponse.FromString(raw_resp))
         primary = UpstreamResponse(200, b"OK", [(MIRROR_HEADERS.encode(), b"%d" % answer_hl)], answer)
         headers = [(b"content-type", b"application/octet-stream"), (MIRROR_HEADERS.encode(), b"%d" % hl)]
-        manager.offer(
-            model, body, headers, primary, seconds, request_id, protocol="grpc", presampled=presampled
-        )
+        manager.offer(model, body, headers, primary, seconds, request_id, protocol="grpc", admitted=True)
     except (grpc_codec.GrpcCodecError, DecodeError) as exc:
-        manager.skip(req.model_name, "untranslatable", presampled=presampled)
+        if canary is not None:
+            manager.skipped(canary, "untranslatable")
         LOG.debug("gRPC request not mirrored: %s", exc)
     except Exception:  # a bug here must never reach the client path
         LOG.exception("gRPC mirror offer failed")

@@ -12,7 +12,9 @@ keeps the canary: this object starts the front as its child and, over a Unix soc
   to the canary and the capture exactly as the Python front does (sidecar.grpc_front.answered);
 - applies its counts every 200 ms: `tunegate_grpc_requests_total`, the request counts and latency histogram, the
   canary budgets' client-latency windows, offers dropped because the sidecar fell behind (`mirror_dropped` full);
-- asks it, while a promotion drains, how many calls it has in flight on the version being replaced.
+- asks it, while a promotion drains, how many calls it has in flight on the version being replaced;
+- tells it when a shadow-paired canary's pair is out and back, so that it offers no call the canary would not
+  admit (a hint: the canary admits or refuses every offer itself).
 
 The front never waits for the sidecar: offers queue in the front (bounded) and a full queue drops them. It dies
 with the sidecar (parent-death signal, and it exits when the socket closes); if it exits on its own it is started
@@ -96,6 +98,7 @@ class NativeGrpcFront:
         host, port = self.config.grpc_listen or ("127.0.0.1", 0)
         await self._spawn(f"{host}:{port}")
         self.manager.routed_elsewhere = self.in_flight
+        self.manager.pair_busy = self._pair_busy
         self._tasks = [asyncio.ensure_future(self._push_tables()), asyncio.ensure_future(self._watch())]
 
     async def _spawn(self, listen: str) -> None:
@@ -127,6 +130,8 @@ class NativeGrpcFront:
         self._closing = True
         if self.manager.routed_elsewhere == self.in_flight:
             self.manager.routed_elsewhere = None
+        if self.manager.pair_busy == self._pair_busy:
+            self.manager.pair_busy = None
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -244,6 +249,11 @@ class NativeGrpcFront:
             return False
         w.write(struct.pack("<I", len(payload) + 1) + kind + payload)
         return True
+
+    def _pair_busy(self, model: str, busy: bool) -> None:
+        """A shadow-paired canary's pair is out (busy) or back: the front offers nothing for `model` while it is
+        out, as the canary would not admit it (the table clears the flags; a stale False costs frames only)."""
+        self._send(b"B", f"{model}\t{int(busy)}".encode())
 
     # -- the routing table -------------------------------------------------------------------------------------
     def table(self) -> bytes:

@@ -13,7 +13,7 @@ import dataclasses
 import re
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sidecar.upstream import UpstreamResponse
@@ -32,18 +32,28 @@ class MirrorSlots:
         self.capacity = capacity
         self.in_flight = 0
         self.closed = False
+        # told True when the slots fill and False when one frees or they close (CanaryManager.pair_busy)
+        self.listener: Callable[[bool], None] | None = None
 
     def __len__(self) -> int:
         return self.in_flight
+
+    def full(self) -> bool:
+        """Would `acquire` refuse now?"""
+        return self.closed or self.in_flight >= self.capacity
 
     def acquire(self) -> bool:
         if self.closed or self.in_flight >= self.capacity:
             return False
         self.in_flight += 1
+        if self.in_flight == self.capacity and self.listener is not None:
+            self.listener(True)
         return True
 
     def release(self) -> None:
         self.in_flight -= 1
+        if self.in_flight == self.capacity - 1 and not self.closed and self.listener is not None:
+            self.listener(False)
 
     async def drain(self, timeout_s: float = 0.0) -> int:
         """Wait up to `timeout_s` for the mirrors in flight, then close; returns how many were left behind."""
@@ -51,6 +61,8 @@ class MirrorSlots:
         while self.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self.closed = True
+        if self.listener is not None:
+            self.listener(False)  # a closed canary holds no pair for anyone
         return self.in_flight
 
 

@@ -97,8 +97,17 @@ async def test_mirror_slots_drop_when_full_and_close_on_drain() -> None:
     assert await slots.drain(timeout_s=2) == 0 and slots.closed
     assert not slots.acquire()  # a decided canary mirrors no more
     slots2 = MirrorSlots(1)
+    told: list[bool] = []
+    slots2.listener = told.append  # what the compiled gRPC front hears: the pair out, back, closed
+    assert slots2.acquire() and told == [True]
+    assert not slots2.acquire() and told == [True]  # refused: nothing new to tell
+    slots2.release()
+    assert told == [True, False]
     assert slots2.acquire()
     assert await slots2.drain(timeout_s=0.02) == 1  # left behind: its answer will be ignored
+    assert told == [True, False, True, False]  # closed: no stale "out" left with the front
+    slots2.release()  # the late answer
+    assert told == [True, False, True, False]
 
 
 async def test_unreachable_upstream_is_a_clear_502(tmp_path: Path) -> None:

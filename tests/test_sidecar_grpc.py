@@ -36,7 +36,7 @@ from tunegate.capture import read_capture
 from tunegate.triton import EmbeddedTriton, TritonOptions
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
-MODELS = ("plain", "grpcgood", "grpcbad", "mixed", "slowcand", "slowbase", "pagrpc", "pahttp")
+MODELS = ("plain", "grpcgood", "grpcbad", "mixed", "slowcand", "slowbase", "pagrpc", "pahttp", "pairs")
 
 
 NATIVE = find_binary() is not None
@@ -78,6 +78,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Pat
     add_model(repo, "slowbase", {}, baseline={"delay_ms": 100})
     add_model(repo, "pagrpc", {2: {}})
     add_model(repo, "pahttp", {2: {}})
+    add_model(repo, "pairs", {2: {"delay_ms": 300}})
     with EmbeddedTriton(TritonOptions(repository=repo, models=MODELS), workdir=work / "t") as triton:
         yield work, repo, triton
 
@@ -423,6 +424,34 @@ def test_grpc_and_http_forms_of_one_request_agree() -> None:
     assert grpc_codec.uses_shared_memory(shm)
     with pytest.raises(grpc_codec.GrpcCodecError):
         grpc_codec.request_to_http(shm)
+
+
+@pytest.mark.skipif(not NATIVE, reason=NO_NATIVE)
+def test_canaries_ended_with_their_pair_out_leave_the_next_one_its_copies(
+    stack: tuple[EmbeddedTriton, SidecarProcess],
+) -> None:
+    """The compiled front offers no call while a shadow-paired canary's pair is out (the sidecar tells it when the
+    pair leaves and when it is back). Canaries ended with the pair out and started again at once must leave no
+    stale "out" behind: the next canary still gets its copies."""
+    _, sc = stack
+    admin = AdminClient(sc.url, TOKEN)
+    params = {**FAST_PARAMS, "min_samples": 10**6, "deadline_s": 600, "sample_rate": 1.0, "aa_rate": 0.0}
+    via = grpcclient.InferenceServerClient(sc.grpc_address)
+    try:
+        for i in range(3):
+            admin.start("pairs", 2, **params)
+            time.sleep(0.2)  # the routing table reaches the front
+            via.infer("pairs", inputs(x_of(400 + i)))  # its copies go out; the candidate takes 300 ms
+            admin.pin("pairs")
+        admin.start("pairs", 2, **params)
+        compared, deadline = 0, time.monotonic() + 15
+        while compared < 3 and time.monotonic() < deadline:
+            via.infer("pairs", inputs(x_of(500)))
+            compared = admin.status("pairs")["canary"]["evidence"]["compared"]
+    finally:
+        admin.pin("pairs")
+        via.close()
+    assert compared >= 3, compared
 
 
 def _alive(pid: int) -> bool:

@@ -5,6 +5,8 @@
 //   sidecar -> front  'T' the routing table: each model's live version, whether a canary is taking evidence and
 //                         at what sample rate, the capture rate (sent whenever it changes)
 //                     'Q' how many client calls are in flight per (model, routed version), answered with 'A'
+//                     'B' "model \t 1|0": a shadow-paired canary's pair is out, or back; no offers while out
+//                         (a hint: the sidecar admits or refuses each offer; a new table clears the flags)
 //   front -> sidecar  'O' a sampled, answered ModelInfer (request and answer bytes, client latency, flags):
 //                         the sidecar mirrors it to the candidate and/or captures it, as for its own requests
 //                     'S' counts since the last 'S' (per method and code, per model/version latency buckets,
@@ -85,8 +87,9 @@ struct Route {
   double rate = 0.0;
 };
 
-std::mutex g_mu;  // guards g_routes, g_capture_rate, g_in_flight
+std::mutex g_mu;  // guards g_routes, g_capture_rate, g_in_flight, g_busy
 std::unordered_map<std::string, Route> g_routes;
+std::set<std::string> g_busy;  // models whose canary's pair is out: their calls are not offered
 double g_capture_rate = 0.0;
 std::map<std::pair<std::string, std::string>, long> g_in_flight;
 
@@ -273,6 +276,23 @@ void apply_table(const std::string& payload) {
   std::lock_guard<std::mutex> lock(g_mu);
   g_routes.swap(routes);
   g_capture_rate = capture;
+  g_busy.clear();  // a canary started or ended: its pair flags start again (the next 'B' sets them)
+}
+
+void apply_busy(const std::string& payload) {
+  size_t tab = payload.rfind('\t');
+  if (tab == std::string::npos) return;
+  std::string model = payload.substr(0, tab);
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (payload.substr(tab + 1) == "1")
+    g_busy.insert(model);
+  else
+    g_busy.erase(model);
+}
+
+bool pair_busy(const std::string& model) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_busy.count(model) > 0;
 }
 
 std::string in_flight_payload(const std::string& seq) {
@@ -294,6 +314,8 @@ void reader_loop(grpc::Server* server) {
     std::string payload = body.substr(1);
     if (type == 'T') {
       apply_table(payload);
+    } else if (type == 'B') {
+      apply_busy(payload);
     } else if (type == 'Q') {
       enqueue(frame('A', in_flight_payload(payload)), false);
     }
@@ -780,7 +802,7 @@ class Call {
     stream_.WriteAndFinish(resp_, grpc::WriteOptions(), Status::OK, Tag(&finish_ev_, &Call::OnFinished));
     // After the answer is on its way (the buffers stay with this call until its last completion).
     uint8_t flags = 0;
-    if (mirror && sample(route_.rate)) flags |= 1;
+    if (mirror && sample(route_.rate) && !pair_busy(model_)) flags |= 1;
     if (sample(capture_rate_)) flags |= 2;
     if (unversioned_) flags |= 4;
     if (flags & 3) offer(model_, flags, seconds, raw_, resp_);
