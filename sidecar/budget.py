@@ -95,6 +95,7 @@ class MirrorBudget:
         "period_s",
         "phase_since",
         "rate",
+        "window",
         "window_since",
     )  # fmt: skip
 
@@ -109,6 +110,9 @@ class MirrorBudget:
         self.min_seen = sample_rate
         self.rate = sample_rate  # what offer() samples at: the effective rate, 0 while paused
         self.counts: list[int] | None = None  # the current window's histogram; None: not counting
+        # which window `counts` is: counted elsewhere (the compiled gRPC front) a latency is added only to the
+        # window it was measured in, never to the next one it arrives in
+        self.window = 0
         self.on_total, self.off_total = new_counts(), new_counts()
         self.p50_on: float | None = None  # the last mirroring window's client p50 (seconds)
         self.p50_off: float | None = None  # the last pause's
@@ -121,13 +125,19 @@ class MirrorBudget:
 
     # -- the schedule ----------------------------------------------------------------------------
     def _pause(self, now: float) -> None:
-        self.paused, self.rate, self.counts = True, 0.0, None
+        self.paused, self.rate = True, 0.0
+        self._window(None)
         self.phase_since = now
         self.pauses += 1
 
     def _mirror(self, now: float) -> None:
-        self.paused, self.rate, self.counts = False, self.effective, new_counts()
+        self.paused, self.rate = False, self.effective
+        self._window(new_counts())
         self.phase_since = self.window_since = now
+
+    def _window(self, counts: list[int] | None) -> None:
+        self.counts = counts
+        self.window += 1
 
     def tick(self, now: float, in_flight: int) -> None:
         """Advance the schedule and, on a full window, adjust the effective rate. `in_flight`: mirror copies out."""
@@ -135,7 +145,7 @@ class MirrorBudget:
             return
         if self.paused:
             if self.counts is None and in_flight == 0:
-                self.counts = new_counts()  # the last copy is back: from now on, clients meet no mirror load
+                self._window(new_counts())  # the last copy is back: from now on, clients meet no mirror load
             if now - self.phase_since >= self.pause_s:
                 if self.counts is not None:
                     off = p50(self.counts)
@@ -151,7 +161,7 @@ class MirrorBudget:
             if on is not None:
                 self._decide(on, counts)
                 _merge(self.on_total, counts)
-                self.counts = new_counts()
+                self._window(new_counts())
                 self.window_since = now
         if now - self.phase_since >= self.period_s - self.pause_s:
             if self.counts is counts:  # a short last window: its requests count in the overall figures

@@ -209,8 +209,9 @@ class NativeGrpcFront:
             seq, _, rest = payload.decode().partition("\n")
             counts: dict[tuple[str, str], int] = {}
             for line in rest.splitlines():
-                model, version, n = line.split("\t")
-                counts[(model, version)] = int(n)
+                with contextlib.suppress(ValueError):  # one bad line costs that line only
+                    model, version, n = line.split("\t")
+                    counts[(model, version)] = int(n)
             fut = self._answers.pop(seq, None)
             if fut is not None and not fut.done():
                 fut.set_result(counts)
@@ -225,23 +226,29 @@ class NativeGrpcFront:
                  bool(flags & _CAPTURE), bool(flags & _UNVERSIONED), presampled=True)  # fmt: skip
 
     def _stats(self, text: str) -> None:
-        m = self.metrics
         for line in text.splitlines():
-            kind, *f = line.split("\t")
-            if kind == "c":
-                m.grpc_requests.labels(f[0], f[1]).value += int(f[2])
-            elif kind == "r":
-                buckets = [int(b) for b in f[5].split(",")] if f[5] else []
-                m.add_requests(f[0], f[1], "primary", int(f[2]), int(f[3]), float(f[4]), buckets)
-            elif kind == "b":
-                canary = self.manager.canaries.get(f[0])
-                counts = None if canary is None else canary.budget.counts
-                if counts is not None:
-                    for item in f[1].split(","):
-                        i, n = item.split(":")
-                        counts[int(i)] += int(n)
-            elif kind == "d":
-                m.mirror_dropped.labels(f[0], "candidate", "full").value += int(f[1])
+            try:
+                self._stat(line)
+            except (ValueError, IndexError, KeyError):  # one bad line costs that line only
+                LOG.warning("%s sent a counts line not applied: %r", BINARY, line[:200])
+
+    def _stat(self, line: str) -> None:
+        m = self.metrics
+        kind, *f = line.split("\t")
+        if kind == "c":
+            m.grpc_requests.labels(f[0], f[1]).value += int(f[2])
+        elif kind == "r":
+            buckets = [int(b) for b in f[5].split(",")] if f[5] else []
+            m.add_requests(f[0], f[1], "primary", int(f[2]), int(f[3]), float(f[4]), buckets)
+        elif kind == "b":  # model, the budget window the latencies were measured in, bins
+            canary = self.manager.canaries.get(f[0])
+            counts = None if canary is None else canary.budget.counts
+            if counts is not None and canary is not None and canary.budget.window == int(f[1]):
+                for item in f[2].split(","):
+                    i, n = item.split(":")
+                    counts[int(i)] += int(n)
+        elif kind == "d":
+            m.mirror_dropped.labels(f[0], "candidate", "full").value += int(f[1])
 
     def _send(self, kind: bytes, payload: bytes) -> bool:
         w = self._writer
@@ -257,7 +264,8 @@ class NativeGrpcFront:
 
     # -- the routing table -------------------------------------------------------------------------------------
     def table(self) -> bytes:
-        """Capture rate, then per model: live version, whether a canary takes evidence, its sample rate."""
+        """Capture rate, then per model: live version, whether a canary takes evidence, its sample rate, its
+        budget's latency window."""
         mgr = self.manager
         rate = self.config.capture_rate if self.capture is not None else 0.0
         lines = [repr(rate)]
@@ -266,10 +274,11 @@ class NativeGrpcFront:
             live = mgr.live_version(model)
             canary = mgr.canaries.get(model)
             sampled: float | None = None
+            window = 0
             if canary is not None and canary.pending is None and canary.paused is None:
-                sampled = canary.budget.rate
+                sampled, window = canary.budget.rate, canary.budget.window
             lines.append(
-                f"{model}\t{'' if live is None else live}\t{int(sampled is not None)}\t{sampled or 0.0!r}"
+                f"{model}\t{'' if live is None else live}\t{int(sampled is not None)}\t{sampled or 0.0!r}\t{window}"
             )
         return "\n".join(lines).encode()
 
@@ -277,6 +286,14 @@ class NativeGrpcFront:
         table = self.table()
         if (force or table != self._table) and self._send(b"T", table):
             self._table = table
+            # A table clears the front's pair flags: pairs still out are told again.
+            for model, canary in self.manager.canaries.items():
+                if (
+                    canary.params.latency_pairing == "shadow"
+                    and canary.slots.full()
+                    and not canary.slots.closed
+                ):
+                    self._pair_busy(model, True)
 
     async def _push_tables(self) -> None:
         while True:

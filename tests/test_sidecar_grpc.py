@@ -36,7 +36,18 @@ from tunegate.capture import read_capture
 from tunegate.triton import EmbeddedTriton, TritonOptions
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
-MODELS = ("plain", "grpcgood", "grpcbad", "mixed", "slowcand", "slowbase", "pagrpc", "pahttp", "pairs")
+MODELS = (
+    "plain",
+    "grpcgood",
+    "grpcbad",
+    "mixed",
+    "slowcand",
+    "slowbase",
+    "pagrpc",
+    "pahttp",
+    "pairs",
+    "budgeted",
+)
 
 
 NATIVE = find_binary() is not None
@@ -79,6 +90,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Pat
     add_model(repo, "pagrpc", {2: {}})
     add_model(repo, "pahttp", {2: {}})
     add_model(repo, "pairs", {2: {"delay_ms": 300}})
+    add_model(repo, "budgeted", {2: {}})
     with EmbeddedTriton(TritonOptions(repository=repo, models=MODELS), workdir=work / "t") as triton:
         yield work, repo, triton
 
@@ -208,6 +220,13 @@ def test_malformed_oversized_and_late_calls(any_front: tuple[EmbeddedTriton, Sid
         with pytest.raises(grpc.RpcError) as info:
             raw(req.SerializeToString(), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "elements" in info.value.details()
+        # counted in 128 bits, 2^186 elements would wrap to 0: refused all the same
+        wraps = pb.ModelInferRequest(model_name="plain")
+        wraps.inputs.add(name="x", datatype="FP32", shape=[1 << 62, 1 << 62, 1 << 62])
+        wraps.raw_input_contents.append(b"\0" * 16)
+        with pytest.raises(grpc.RpcError) as info:
+            raw(wraps.SerializeToString(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "elements" in info.value.details()
         unknown = ch.unary_unary("/some.Other/Method")
         with pytest.raises(grpc.RpcError) as info:
             unknown(b"", timeout=10)
@@ -233,6 +252,79 @@ def test_malformed_oversized_and_late_calls(any_front: tuple[EmbeddedTriton, Sid
     assert np.array_equal(via.infer("plain", inputs(x_of(2))).as_numpy("y"), 2 * x_of(2))  # still serving
     via.close()
     direct.close()
+
+
+def _primary_requests(url: str, model: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tunegate_requests_total{") and f'model="{model}"' in line
+               and 'role="primary"' in line)  # fmt: skip
+
+
+def test_a_model_name_with_tabs_and_newlines_leaves_the_counts_whole(
+    any_front: tuple[EmbeddedTriton, SidecarProcess],
+) -> None:
+    """A client's model name travels in the compiled front's counts to the sidecar: one with tabs and newlines
+    costs the counts of the calls beside it nothing."""
+    _, sc = any_front
+    with grpc.insecure_channel(sc.grpc_address) as ch:
+        before = _primary_requests(sc.url, "plain")
+        odd = pb.ModelInferRequest(model_name="odd\tname\nb\t1\t200")
+        odd.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+        odd.raw_input_contents.append(b"\0" * 16)
+        with pytest.raises(grpc.RpcError):
+            ch.unary_unary("/inference.GRPCInferenceService/ModelInfer")(odd.SerializeToString(), timeout=10)
+    via = grpcclient.InferenceServerClient(sc.grpc_address)
+    assert np.array_equal(via.infer("plain", inputs(x_of(3))).as_numpy("y"), 2 * x_of(3))
+    via.close()
+    deadline = time.monotonic() + 5
+    while _primary_requests(sc.url, "plain") < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _primary_requests(sc.url, "plain") >= before + 1
+
+
+@pytest.mark.parametrize("front", ["native", "python"])
+def test_the_concurrency_limit_holds_after_calls_to_other_services(
+    served: tuple[Path, Path, EmbeddedTriton], tmp_path: Path, front: str
+) -> None:
+    """`grpc_max_concurrent_rpcs` = 2: of six calls at once to a 100 ms model, two are answered and the others get
+    RESOURCE_EXHAUSTED, also after many calls to other services (a mesh's health probes) were refused."""
+    if front == "native" and not NATIVE:
+        pytest.skip(NO_NATIVE)
+    _, repo, triton = served
+    cfg = tmp_path / "sidecar.toml"
+    cfg.write_text("grpc_max_concurrent_rpcs = 2\n")
+    with SidecarProcess(upstream=triton.http_url, upstream_grpc=triton.grpc_address, grpc_listen="127.0.0.1:0",
+                        state_dir=tmp_path / "state", repository=repo,
+                        extra_args=("--config", str(cfg), "--grpc-front", front)) as sc:  # fmt: skip
+        with grpc.insecure_channel(sc.grpc_address) as ch:
+            probe = ch.unary_unary("/grpc.health.v1.Health/Check")
+            for _ in range(20):
+                with pytest.raises(grpc.RpcError) as info:
+                    probe(b"", timeout=10)
+                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        codes: list[str] = []
+        go = threading.Barrier(6)
+        clients = [grpcclient.InferenceServerClient(sc.grpc_address) for _ in range(6)]
+        for c in clients:
+            assert c.is_server_live()  # connected, one at a time, before the race
+
+        def call(client: grpcclient.InferenceServerClient) -> None:
+            go.wait(timeout=30)
+            try:
+                client.infer("slowbase", inputs(x_of(4)), client_timeout=30)
+                codes.append("OK")
+            except InferenceServerException as exc:
+                codes.append(str(exc.status()))
+
+        threads = [threading.Thread(target=call, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        for c in clients:
+            c.close()
+    assert codes.count("OK") == 2 and codes.count("StatusCode.RESOURCE_EXHAUSTED") == 4, codes
 
 
 def _drive_grpc(address: str, model: str, stop: threading.Event, errors: list[str]) -> None:
@@ -313,6 +405,32 @@ def test_http_and_grpc_traffic_feed_one_canary(stack: tuple[EmbeddedTriton, Side
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     assert 'tunegate_mirror_compared_by_protocol_total{model="mixed",protocol="grpc"}' in text
     assert 'tunegate_grpc_requests_total{code="OK",method="ModelInfer"}' in text
+
+
+def test_grpc_clients_latencies_feed_the_mirror_budget(stack: tuple[EmbeddedTriton, SidecarProcess]) -> None:
+    """With gRPC traffic alone, the mirror budget measures clients in its pauses and while mirroring (the compiled
+    front counts them and the sidecar adds each to the window it was measured in)."""
+    _, sc = stack
+    admin = AdminClient(sc.url, TOKEN)
+    admin.start("budgeted", 2, **{**FAST_PARAMS, "min_samples": 10**6, "deadline_s": 600, "sample_rate": 1.0,
+                                  "max_client_slowdown": 0.5, "budget_period_s": 2.5, "budget_pause_s": 1.0})  # fmt: skip
+    stop, errors = threading.Event(), []
+    driver = threading.Thread(target=_drive_grpc, args=(sc.grpc_address, "budgeted", stop, errors))
+    driver.start()
+    try:
+        deadline, budget = time.monotonic() + 30, {}
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            budget = admin.status("budgeted")["canary"]["mirror_budget"]
+            if budget["client_p50_paused_s"] is not None and budget["client_p50_mirroring_s"] is not None:
+                break
+    finally:
+        stop.set()
+        driver.join()
+        admin.pin("budgeted")
+    assert not errors, errors[:5]
+    assert budget["client_p50_paused_s"] is not None and budget["client_p50_mirroring_s"] is not None, budget
+    assert 0 < budget["client_p50_paused_s"] < 1.0 and 0 < budget["client_p50_mirroring_s"] < 1.0, budget
 
 
 def _p99(address: str, model: str, n: int) -> float:

@@ -85,6 +85,7 @@ struct Route {
   std::string live;     // "" : no live version known (unversioned calls go to Triton as they are)
   bool canary = false;  // a canary takes evidence: count client latencies, sample at `rate`
   double rate = 0.0;
+  uint64_t window = 0;  // the canary budget's latency window these calls' latencies belong to
 };
 
 std::mutex g_mu;  // guards g_routes, g_capture_rate, g_in_flight, g_busy
@@ -102,7 +103,7 @@ struct Observed {
 std::mutex g_stats_mu;
 std::map<std::pair<std::string, std::string>, uint64_t> g_calls;  // (method label, code name)
 std::map<std::tuple<std::string, std::string, int>, Observed> g_requests;  // (model, version, http code)
-std::map<std::string, std::map<int, uint64_t>> g_budget;  // model -> budget window bin -> count
+std::map<std::pair<std::string, uint64_t>, std::map<int, uint64_t>> g_budget;  // (model, window) -> bin -> n
 std::map<std::string, uint64_t> g_dropped;                // model -> offers the queue had no room for
 
 // The canary budget's bins (sidecar/budget.py BOUNDS): 5e-5 * 1.01**k, k < 1400.
@@ -206,19 +207,29 @@ bool read_all(int fd, char* p, size_t n) {
   return true;
 }
 
+// Names a client chose (model, version) travel in tab- and newline-separated lines: one with a control
+// character is left out of the reports (no model Triton serves has one; Triton answers such calls itself).
+bool plain(const std::string& s) {
+  for (unsigned char c : s)
+    if (c < 0x20 || c == 0x7f) return false;
+  return true;
+}
+
 std::string stats_payload() {
   std::ostringstream out;
   out.precision(17);
   std::lock_guard<std::mutex> lock(g_stats_mu);
   for (auto& [k, n] : g_calls) out << "c\t" << k.first << '\t' << k.second << '\t' << n << '\n';
   for (auto& [k, o] : g_requests) {
+    if (!plain(std::get<0>(k)) || !plain(std::get<1>(k))) continue;
     out << "r\t" << std::get<0>(k) << '\t' << std::get<1>(k) << '\t' << std::get<2>(k) << '\t' << o.count << '\t'
         << o.sum << '\t';
     for (size_t i = 0; i < o.buckets.size(); ++i) out << (i ? "," : "") << o.buckets[i];
     out << '\n';
   }
-  for (auto& [model, bins] : g_budget) {
-    out << "b\t" << model << '\t';
+  for (auto& [key, bins] : g_budget) {
+    if (!plain(key.first)) continue;
+    out << "b\t" << key.first << '\t' << key.second << '\t';
     bool first = true;
     for (auto& [i, n] : bins) {
       out << (first ? "" : ",") << i << ':' << n;
@@ -226,7 +237,8 @@ std::string stats_payload() {
     }
     out << '\n';
   }
-  for (auto& [model, n] : g_dropped) out << "d\t" << model << '\t' << n << '\n';
+  for (auto& [model, n] : g_dropped)
+    if (plain(model)) out << "d\t" << model << '\t' << n << '\n';
   g_calls.clear();
   g_requests.clear();
   g_budget.clear();
@@ -259,7 +271,7 @@ void writer_loop() {
 }
 
 void apply_table(const std::string& payload) {
-  // line 1: capture rate; then "model \t live \t canary(0|1) \t rate"
+  // line 1: capture rate; then "model \t live \t canary(0|1) \t rate \t budget window"
   std::unordered_map<std::string, Route> routes;
   std::stringstream ss(payload);
   std::string line;
@@ -267,11 +279,11 @@ void apply_table(const std::string& payload) {
   if (std::getline(ss, line)) capture = std::stod(line);
   while (std::getline(ss, line)) {
     std::stringstream ls(line);
-    std::string model, live, canary, rate;
+    std::string model, live, canary, rate, window;
     if (!std::getline(ls, model, '\t') || !std::getline(ls, live, '\t') || !std::getline(ls, canary, '\t') ||
-        !std::getline(ls, rate, '\t'))
+        !std::getline(ls, rate, '\t') || !std::getline(ls, window, '\t'))
       continue;
-    routes[model] = Route{live, canary == "1", std::stod(rate)};
+    routes[model] = Route{live, canary == "1", std::stod(rate), std::stoull(window)};
   }
   std::lock_guard<std::mutex> lock(g_mu);
   g_routes.swap(routes);
@@ -300,7 +312,7 @@ std::string in_flight_payload(const std::string& seq) {
   out << seq << '\n';
   std::lock_guard<std::mutex> lock(g_mu);
   for (auto& [k, n] : g_in_flight)
-    if (n) out << k.first << '\t' << k.second << '\t' << n << '\n';
+    if (n && plain(k.first) && plain(k.second)) out << k.first << '\t' << k.second << '\t' << n << '\n';
   return out.str();
 }
 
@@ -480,9 +492,11 @@ std::string check_input(const uint8_t* d, size_t n, size_t size) {
       big = false;
       break;
     }
-    if (!big) {
-      total *= static_cast<unsigned __int128>(s);
-      if (total > cap) big = true;
+    if (!big) {  // checked before multiplying: a product past 2^128 would wrap to a small count
+      if (total > cap / static_cast<unsigned __int128>(s))
+        big = true;
+      else
+        total *= static_cast<unsigned __int128>(s);
     }
   }
   if (big || total > size)
@@ -643,7 +657,7 @@ void release(const std::string& model, const std::string& routed) {
 }
 
 void observe(const std::string& model, const std::string& version, StatusCode code, double seconds, bool ok,
-             bool budget) {
+             bool budget, uint64_t window) {
   std::lock_guard<std::mutex> lock(g_stats_mu);
   ++g_calls[{"ModelInfer", code_name(code)}];
   Observed& o = g_requests[{model, version, http_of(code)}];
@@ -659,7 +673,7 @@ void observe(const std::string& model, const std::string& version, StatusCode co
   if (budget) {
     int i = static_cast<int>(std::lower_bound(g_budget_bounds.begin(), g_budget_bounds.end(), seconds) -
                              g_budget_bounds.begin());
-    ++g_budget[model][i];
+    ++g_budget[{model, window}][i];
   }
 }
 
@@ -673,7 +687,7 @@ void offer(const std::string& model, uint8_t flags, double seconds, const std::s
   std::memcpy(&payload[9], &n, 4);
   payload += req;
   payload += answer;
-  if (!enqueue(frame('O', payload), true)) {
+  if (!enqueue(frame('O', payload), true) && (flags & 1)) {  // a capture-only offer is no mirror dropped
     std::lock_guard<std::mutex> lock(g_stats_mu);
     ++g_dropped[model];
   }
@@ -723,11 +737,11 @@ class Call {
   void OnRequested(bool ok) {
     if (!ok) return;  // shutting down
     new Call(cq_);    // the next call on this queue
-    active_ = true;
     const std::string& full = ctx_.method();
     std::string prefix = "/" + std::string(kService) + "/";
     if (full.rfind(prefix, 0) != 0) return Reply(Status(StatusCode::UNIMPLEMENTED, "Method not found!"));
     method_ = full.substr(prefix.size());
+    active_ = true;  // counted from here: ~Call gives it back
     if (++g_active > g_opt.max_concurrent)
       return Refuse(Status(StatusCode::RESOURCE_EXHAUSTED,
                            "Concurrent RPC limit exceeded: more than " + std::to_string(g_opt.max_concurrent) +
@@ -797,7 +811,7 @@ class Call {
     double seconds = std::chrono::duration<double>(Clock::now() - t0_).count();
     release(model_, routed_);
     bool mirror = s.ok() && unversioned_ && route_.canary;
-    observe(model_, routed_, s.error_code(), seconds, s.ok(), mirror);
+    observe(model_, routed_, s.error_code(), seconds, s.ok(), mirror, route_.window);
     if (!s.ok()) return Reply(s);
     stream_.WriteAndFinish(resp_, grpc::WriteOptions(), Status::OK, Tag(&finish_ev_, &Call::OnFinished));
     // After the answer is on its way (the buffers stay with this call until its last completion).
