@@ -173,7 +173,7 @@ class CanaryManager:
             return
         acquired = canary.slots.acquire()
         if not acquired and p.latency_pairing == "shadow":
-            return  # admitted, then the pair left first (not a drop)
+            return  # the pair went out since `admit` (not a drop)
         self.metrics.inc(self.metrics.mirror_sampled, model, "candidate")
         if not acquired:
             self.metrics.inc(self.metrics.mirror_dropped, model, "candidate", "full")

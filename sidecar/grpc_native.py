@@ -242,8 +242,8 @@ class NativeGrpcFront:
             m.add_requests(f[0], f[1], "primary", int(f[2]), int(f[3]), float(f[4]), buckets)
         elif kind == "b":  # model, the budget window the latencies were measured in, bins
             canary = self.manager.canaries.get(f[0])
-            counts = None if canary is None else canary.budget.counts
-            if counts is not None and canary is not None and canary.budget.window == int(f[1]):
+            counts = None if canary is None or canary.budget.window != int(f[1]) else canary.budget.counts
+            if counts is not None:
                 for item in f[2].split(","):
                     i, n = item.split(":")
                     counts[int(i)] += int(n)

@@ -43,7 +43,7 @@ class MirrorSlots:
         return self.closed or self.in_flight >= self.capacity
 
     def acquire(self) -> bool:
-        if self.closed or self.in_flight >= self.capacity:
+        if self.full():
             return False
         self.in_flight += 1
         if self.in_flight == self.capacity and self.listener is not None:
