@@ -258,8 +258,8 @@ async def test_model_loads_do_not_stall_other_clients(
         await asyncio.sleep(0.5)
     finally:
         stop.set()
-        for t in threads:
-            t.join(timeout=30)
+        for t in threads:  # joined off the event loop: a thread's last request is answered by this loop
+            await asyncio.to_thread(t.join, 30)
     assert not failures, failures
     assert t_promote - t_load > 2.0 and t_end - t_promote > 2.0  # both did load a 2 s model
     during = [s for t0, s in waits if t_load <= t0 <= t_end]
@@ -271,7 +271,7 @@ async def test_shadow_latency_pairing_is_fair_under_saturation(sidecar: Sidecar,
                                                                triton: EmbeddedTriton) -> None:  # fmt: skip
     """Saturated (8 clients on 2 cores), a candidate's copy sent after the client's answer competes with the next
     client request and looks slower than it is. With shadow pairing its latency is paired with a baseline replay
-    sent at the same moment to a second instance of the baseline: a good candidate is promoted on tight latency
+    sent right beside it to a second instance of the baseline: a good candidate is promoted on tight latency
     terms, a slower one still pinned."""
     # Fresh instances on both sides: the first comparisons give no latency pairs (warmup), as in production.
     tight = {
