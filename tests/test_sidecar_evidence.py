@@ -116,7 +116,7 @@ async def test_a_candidate_slower_only_on_the_longest_shape_is_pinned_naming_it(
             f"{sidecar}/canary/shapeslow", json={"candidate": 2, "deadline_s": 150}, headers=AUTH
         ) as r:
             assert r.status == 201, await r.text()
-        # Paced below saturation (2 cores): the copies of a pair then compete with little else.
+        # Paced below saturation (2 cores): the copies of a pair then meet little else.
         codes = await run_clients(s, sidecar, "shapeslow", big_share=0.3, timeout_s=170, pause_s=0.01)
         rec = await last_decision(s, sidecar, "shapeslow")
     assert set(codes) == {200}
@@ -127,7 +127,10 @@ async def test_a_candidate_slower_only_on_the_longest_shape_is_pinned_naming_it(
         classes,
     )
     assert classes[f"b{BIG}xs4"]["p50_ratio"] > 1.05, classes  # above the allowed ratio (1 + latency_slack)
-    assert classes["b2xs4"]["p50_ratio"] < 1.05, classes  # the small shape is not slower
+    # The small shape is not called slower: the judge's own claim (its lower bound on the share of pairs above the
+    # limit), not a point estimate of the median, which load noise moves past 1.05 on a busy 2-core host.
+    assert classes["b2xs4"]["share_above_lower"] <= 0.5, classes
+    assert not any("request class b2xs4" in x for x in rec["reasons"]), rec["reasons"]
     assert not any(x.startswith("candidate is slower:") for x in rec["reasons"]), rec[
         "reasons"
     ]  # overall p50 is fine
