@@ -55,10 +55,11 @@ class CanaryParams:
     # candidate responses AND `warmup_s` seconds after the start (outputs are compared from the first).
     warmup_samples: int = 20
     warmup_s: float = 10.0
-    # What the candidate's latency is paired with: "shadow", a replay sent at the same moment as the
-    # candidate's copy to the baseline version loaded in the shadow model beside the candidate (an instance
-    # that, like the candidate's, takes no client traffic): both copies meet the same load, saturated or
-    # not. It costs a second instance of the baseline and one more inference per sample; every sample is
+    # What the candidate's latency is paired with: "shadow", a replay sent right beside the candidate's
+    # copy (the second leaves when the first answers, alternating which goes first) to the baseline version
+    # loaded in the shadow model beside the candidate (an instance that, like the candidate's, takes no client
+    # traffic): both copies meet the same load, saturated or not, without racing each other. It costs a
+    # second instance of the baseline and one more inference per sample; every sample is
     # then also an A/A one. "primary": the client's own request (no extra load; sound only while Triton
     # and the CPU have headroom, else the copy, sent after the client's answer, queues where the client's
     # request did not and an identical candidate looks slower).

@@ -28,10 +28,10 @@ FORWARD_MIRROR_HEADERS = frozenset({b"content-type", b"content-encoding", b"infe
 class MirrorJob:
     """One sampled request's mirror as a chain of pool callbacks (no task): send, compare, record, release.
 
-    The candidate's copy goes out first (with `latency_pairing="shadow"`, together with a baseline replay,
-    in alternating order). Comparisons of small responses run inline, larger ones in the executor. A
-    canary decided meanwhile (slots closed) takes nothing more. Whatever happens, the slot is released
-    once: an exception in a step is logged and ends the job, it never leaks the slot or reaches the client.
+    The candidate's copy goes out first (with `latency_pairing="shadow"`, a baseline replay goes with it: one
+    after the other, alternating which leads). Comparisons of small responses run inline, larger ones in the
+    executor. A canary decided meanwhile (slots closed) takes nothing more. Whatever happens, the slot is
+    released once: an exception in a step is logged and ends the job, it never leaks the slot or reaches the client.
     """
 
     __slots__ = (
@@ -70,16 +70,14 @@ class MirrorJob:
     def start(self) -> None:
         c = self.canary
         if c.params.latency_pairing == "shadow":
-            # Both copies leave together, in alternating order, and meet the same load: a fair latency pair.
+            # The copies go one after the other (the second when the first answers), alternating which leads:
+            # both meet the same load and never queue behind each other. Sent together, on a saturated device
+            # they raced: a pair then measured which copy won (near 1/2 or 2 times), and the OS placing one
+            # version's process a little worse made an identical candidate lose more races than chance.
             self.mgr.metrics.inc(self.mgr.metrics.mirror_sampled, c.model, "aa")
             self.waiting = 2
             self.mgr._cand_first = not self.mgr._cand_first
-            if self.mgr._cand_first:
-                self._send("candidate", self._paired)
-                self._send("aa", self._paired)
-            else:
-                self._send("aa", self._paired)
-                self._send("candidate", self._paired)
+            self._send("candidate" if self.mgr._cand_first else "aa", self._paired)
         else:
             self.waiting = 1
             self._send("candidate", self._paired)
@@ -109,6 +107,8 @@ class MirrorJob:
             self.base = got
         self.waiting -= 1
         if self.waiting:
+            if not self._closed():
+                self._send("aa" if role == "candidate" else "candidate", self._paired)
             return
         if self._closed():
             return
