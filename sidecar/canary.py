@@ -69,8 +69,8 @@ class CanaryManager:
         )
         self.canaries: dict[str, Canary] = {}
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
-        self._random = random.Random()  # sampling only; decisions never depend on it
-        self._cand_first = False  # shadow latency pairing alternates which copy is sent first
+        # Sampling, and which copy of a shadow pair leads; a decision depends on it only through what is sampled.
+        self._random = random.Random()
         self._dirty = False
         self._reload_after: dict[str, float] = {}  # canary id -> when its shadow may be reloaded again
         # Client requests now at Triton, per (model, version the sidecar routed them to): a promotion

@@ -56,7 +56,7 @@ class CanaryParams:
     warmup_samples: int = 20
     warmup_s: float = 10.0
     # What the candidate's latency is paired with: "shadow", a replay sent right beside the candidate's
-    # copy (the second leaves when the first answers, alternating which goes first) to the baseline version
+    # copy (the second leaves when the first answers, a coin choosing which leads) to the baseline version
     # loaded in the shadow model beside the candidate (an instance that, like the candidate's, takes no client
     # traffic): both copies meet the same load, saturated or not, without racing each other. It costs a
     # second instance of the baseline and one more inference per sample; every sample is

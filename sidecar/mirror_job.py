@@ -29,7 +29,7 @@ class MirrorJob:
     """One sampled request's mirror as a chain of pool callbacks (no task): send, compare, record, release.
 
     The candidate's copy goes out first (with `latency_pairing="shadow"`, a baseline replay goes with it: one
-    after the other, alternating which leads). Comparisons of small responses run inline, larger ones in the
+    after the other, a coin choosing which leads). Comparisons of small responses run inline, larger ones in the
     executor. A canary decided meanwhile (slots closed) takes nothing more. Whatever happens, the slot is
     released once: an exception in a step is logged and ends the job, it never leaks the slot or reaches the client.
     """
@@ -70,14 +70,16 @@ class MirrorJob:
     def start(self) -> None:
         c = self.canary
         if c.params.latency_pairing == "shadow":
-            # The copies go one after the other (the second when the first answers), alternating which leads:
-            # both meet the same load and never queue behind each other. Sent together, on a saturated device
+            # The copies go one after the other (the second when the first answers), a coin choosing which leads:
+            # both meet the same load and never queue behind each other. A coin, not turns: traffic that repeats
+            # a pattern (request classes or protocols taking turns) put turns in step with it, every pair of a
+            # class then led by the same copy, and the order's own effect at light load pinned an identical
+            # candidate as 1.3x slower on both classes. Sent together, on a saturated device
             # they raced: a pair then measured which copy won (near 1/2 or 2 times), and the OS placing one
             # version's process a little worse made an identical candidate lose more races than chance.
             self.mgr.metrics.inc(self.mgr.metrics.mirror_sampled, c.model, "aa")
             self.waiting = 2
-            self.mgr._cand_first = not self.mgr._cand_first
-            self._send("candidate" if self.mgr._cand_first else "aa", self._paired)
+            self._send("candidate" if self.mgr._random.random() < 0.5 else "aa", self._paired)
         else:
             self.waiting = 1
             self._send("candidate", self._paired)
