@@ -28,8 +28,8 @@ FORWARD_MIRROR_HEADERS = frozenset({b"content-type", b"content-encoding", b"infe
 class MirrorJob:
     """One sampled request's mirror as a chain of pool callbacks (no task): send, compare, record, release.
 
-    The candidate's copy goes out first (with `latency_pairing="shadow"`, a baseline replay goes with it: one
-    after the other, a coin choosing which leads). Comparisons of small responses run inline, larger ones in the
+    The candidate's copy goes out (with `latency_pairing="shadow"`, a baseline replay goes with it: one after
+    the other, a coin choosing which leads). Comparisons of small responses run inline, larger ones in the
     executor. A canary decided meanwhile (slots closed) takes nothing more. Whatever happens, the slot is
     released once: an exception in a step is logged and ends the job, it never leaks the slot or reaches the client.
     """
@@ -70,13 +70,10 @@ class MirrorJob:
     def start(self) -> None:
         c = self.canary
         if c.params.latency_pairing == "shadow":
-            # The copies go one after the other (the second when the first answers), a coin choosing which leads:
-            # both meet the same load and never queue behind each other. A coin, not turns: traffic that repeats
-            # a pattern (request classes or protocols taking turns) put turns in step with it, every pair of a
-            # class then led by the same copy, and the order's own effect at light load pinned an identical
-            # candidate as 1.3x slower on both classes. Sent together, on a saturated device
-            # they raced: a pair then measured which copy won (near 1/2 or 2 times), and the OS placing one
-            # version's process a little worse made an identical candidate lose more races than chance.
+            # One copy after the other (the second when the first answers), a coin choosing which leads. Sent
+            # together onto a saturated device they raced, and a pair measured which won; taking turns fell in
+            # step with traffic whose classes take turns, and the order's own effect then read as a slowdown.
+            # Why, with figures: docs/design.md, latency pairing.
             self.mgr.metrics.inc(self.mgr.metrics.mirror_sampled, c.model, "aa")
             self.waiting = 2
             self._send("candidate" if self.mgr._random.random() < 0.5 else "aa", self._paired)
