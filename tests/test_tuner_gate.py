@@ -107,3 +107,34 @@ def test_the_spec_must_let_the_gate_see_enough_samples_for_its_budget() -> None:
     raw["inputs"]["batches"] = 8
     with pytest.raises(SpecError, match=r"\[inputs\]\.batches is now \[gate\]\.samples"):
         parse_spec(raw, ROOT / "specs" / "tiny.toml")
+
+
+def test_an_onnxruntime_session_runs_the_gate_requests_at_once_with_the_outputs_of_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    from tunegate import models
+    from tuner.builders.ort import ort_runner
+
+    runner = ort_runner(models.build_tiny(tmp_path / "tiny.onnx"), {"session": {"intra_op_num_threads": 1}})
+    assert getattr(runner, "concurrent", False)
+    rng = np.random.default_rng(3)
+    inputs = InputSet(tuple(Batch(f"r{i}", {"x": rng.normal(size=(1 + i % 7, 16)).astype(np.float32)})
+                            for i in range(200)), (), "test")  # fmt: skip
+    one = gate.run_all(runner, inputs, workers=1)
+    many = gate.run_all(runner, inputs, workers=4)
+    assert len(many) == len(one) == 200
+    for a, b, batch in zip(one, many, inputs.gate, strict=True):
+        assert a.keys() == b.keys() and a["y"].shape[0] == batch.feeds["x"].shape[0]
+        assert all(np.array_equal(a[k], b[k]) for k in a)  # in order, bit for bit
+
+    calls: list[int] = []
+
+    def plain(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # no `concurrent`: one at a time
+        calls.append(feeds["x"].shape[0])
+        return {"y": feeds["x"]}
+
+    assert (
+        [o["y"].shape[0] for o in gate.run_all(plain, inputs, workers=4)]
+        == calls
+        == [1 + i % 7 for i in range(200)]
+    )

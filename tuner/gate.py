@@ -14,7 +14,9 @@ requests broke the tolerance, and per output the pooled statistic and its worst 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +33,7 @@ from tuner.spec import GateSection
 
 Outputs = list[dict[str, npt.NDArray[Any]]]
 MAX_OOT_LISTED = 20  # the evidence names at most this many out-of-tolerance requests
+MAX_GATE_WORKERS = 8
 
 
 def request_classes(inputs: InputSet) -> dict[str, int]:
@@ -44,8 +47,22 @@ def request_classes(inputs: InputSet) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def run_all(runner: Runner, inputs: InputSet) -> Outputs:
-    return [runner(b.feeds) for b in inputs.gate]
+def gate_workers() -> int:
+    """Gate requests run at once by a runner that allows it: one per core, at most MAX_GATE_WORKERS."""
+    return max(1, min(MAX_GATE_WORKERS, len(os.sched_getaffinity(0))))
+
+
+def run_all(runner: Runner, inputs: InputSet, workers: int | None = None) -> Outputs:
+    """The runner's outputs for every gate request, in order. A runner that declares itself safe to call from
+    several threads at once (`concurrent = True`: an onnxruntime session, which releases the GIL) runs
+    `workers` requests at a time (default: gate_workers()); each request's outputs are the same either way
+    (one request, one call, the session's own threads). Others run one request at a time."""
+    feeds = [b.feeds for b in inputs.gate]
+    n = gate_workers() if workers is None else workers
+    if n <= 1 or len(feeds) < 2 or not getattr(runner, "concurrent", False):
+        return [runner(f) for f in feeds]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="gate") as pool:
+        return list(pool.map(runner, feeds))
 
 
 def judge(reference: Outputs, candidate: Outputs, tolerance: ToleranceSpec) -> Verdict:

@@ -78,6 +78,7 @@ def ort_runner(model_path: Path, runtime: Mapping[str, Any]) -> Runner:
         outs = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
         return dict(zip(names, (np.asarray(o) for o in outs), strict=True))
 
+    run.concurrent = True  # type: ignore[attr-defined]  # InferenceSession.run is thread-safe (tuner.gate.run_all)
     return run
 
 
