@@ -1,0 +1,188 @@
+"""gRPC clients' p99 through the sidecar while a candidate 100 ms slower is mirrored, by the canary's sample rate.
+
+The question: does a slow candidate reach the live version's clients? The compiled gRPC front answers each call
+from the live version and the canary mirrors a sample after the client has its answer, so the candidate's
+slowness itself should not; what mirroring does cost is the copies' work (the candidate copy, the shadow
+baseline's copy, the sidecar's comparison) on the machine the clients share. To tell the two apart, each sample
+rate is run twice: with the 100 ms slower candidate and with an identical one.
+
+Load: perf_analyzer (`-i grpc`) at each concurrency against python-backend identity models FP32[16] on the
+embedded Triton, through one sidecar's compiled front (`tunegate-grpc-front`). Setups, each its own model:
+
+  passthrough          no canary
+  slow@R / ident@R     a canary at sample rate R (shadow latency pairing: one pair of copies out at a time)
+                       of a candidate 100 ms slower / identical
+
+Every setup is up at once; the runs interleave (each round, each concurrency, the setups in an order that
+reverses every round); figures are medians over the rounds, ratios the medians of each round's own ratios to
+passthrough's p99 (measured seconds apart). Pairs per second come from each canary's own count of copies compared.
+
+    .venv/bin/python benchmarks/grpc_slow_candidate_p99.py                        # about 12 minutes
+    .venv/bin/python benchmarks/grpc_slow_candidate_p99.py --duration 2 --repeats 1 -c 1   # smoke
+
+Needs the compiled front (`make native`) and perf_analyzer's libraries (see benchmarks/sidecar_grpc.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from sidecar_grpc import perf_analyzer, perf_env
+from sidecar_vs_nginx import IDENTITY_PY, cpu_seconds, median_run, record
+
+from sidecar.client import AdminClient, SidecarProcess, write_token_file
+from tunegate.repository import ModelConfig, TensorSpec, write_config, write_version
+from tunegate.triton import EmbeddedTriton, TritonOptions
+
+TOKEN = "benchmark-admin-token-0123456789"
+DEFAULT_RATES = (1.0, 0.01, 0.001)
+
+
+def model_name(kind: str, rate: float) -> str:
+    return f"{kind}_{str(rate).replace('.', 'p')}"
+
+
+def build_repository(root: Path, rates: list[float]) -> dict[str, str]:
+    """Triton models for each setup; returns setup -> model name."""
+
+    def model(name: str, versions: dict[int, dict[str, float]]) -> None:
+        for v, behaviour in versions.items():
+            write_version(
+                root, name, {"model.py": IDENTITY_PY, "behaviour.json": json.dumps(behaviour)}, version=v
+            )
+        write_config(root, ModelConfig(name, (TensorSpec("x", "FP32", (16,)),), (TensorSpec("y", "FP32", (16,)),),
+                                       versions=(1,)))  # fmt: skip
+
+    setups = {"passthrough": "plain"}
+    model("plain", {1: {}})
+    for rate in rates:
+        candidates: tuple[tuple[str, dict[str, float]], ...] = (("slow", {"delay_ms": 100.0}), ("ident", {}))
+        for kind, cand in candidates:
+            name = model_name(kind, rate)
+            model(name, {1: {}, 2: cand})
+            setups[f"{kind}@{rate:g}"] = name
+    return setups
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    env = perf_env()
+    work = Path(tempfile.mkdtemp(prefix="bench-grpc-p99-"))
+    setups = build_repository(work / "repo", args.rates)
+    token = write_token_file(work / "token", TOKEN)
+    raw: dict[str, dict[int, list[dict[str, float]]]] = {}
+    console = Console(stderr=True)
+    with contextlib.ExitStack() as stack:
+        triton = stack.enter_context(EmbeddedTriton(TritonOptions(repository=work / "repo",
+                                                                  models=tuple(setups.values())), workdir=work / "t"))  # fmt: skip
+        triton_pid = triton.proc.pid if triton.proc is not None else None
+        sc = stack.enter_context(SidecarProcess(upstream=triton.http_url, upstream_grpc=triton.grpc_address,
+                                                grpc_listen="127.0.0.1:0", state_dir=work / "state",
+                                                repository=work / "repo", token_file=token,
+                                                extra_args=("--grpc-front", "native")))  # fmt: skip
+        sc_pid = sc.proc.pid if sc.proc is not None else None
+        if args.nice_sidecar and sc_pid is not None:  # the sidecar's own threads, not its compiled front
+            for task in Path(f"/proc/{sc_pid}/task").iterdir():
+                os.setpriority(os.PRIO_PROCESS, int(task.name), args.nice_sidecar)
+        admin = AdminClient(sc.url, TOKEN)
+        # Every sampled call compared, no judge decision ends a run (as in sidecar_grpc.py).
+        unjudged = {"min_samples": 10**9, "deadline_s": 86400.0, "aa_rate": 0.0, "warmup_samples": 10**9}
+        tol = {"y": {"metric": "linf", "threshold": 1e-6}}
+        for setup, model in setups.items():
+            if setup != "passthrough":
+                admin.start(model, 2, tol, sample_rate=float(setup.split("@")[1]), **unjudged)
+        names = list(setups)
+        for name in names:  # warm each path
+            perf_analyzer(sc.grpc_address, setups[name], 1, 1.5, work, env)
+        for rnd in range(args.repeats):
+            console.print(f"[bold]round {rnd + 1} of {args.repeats}")
+            for c in args.concurrency:
+                for name in names if rnd % 2 == 0 else names[::-1]:
+                    model = setups[name]
+                    compared0 = compared(admin, model)
+                    before = cpu_seconds(sc_pid), cpu_seconds(triton_pid)
+                    t0 = time.monotonic()
+                    r = perf_analyzer(sc.grpc_address, model, c, args.duration, work, env)
+                    wall = time.monotonic() - t0
+                    after = cpu_seconds(sc_pid), cpu_seconds(triton_pid)
+                    r["pairs_per_s"] = (compared(admin, model) - compared0) / wall
+                    record(raw, name, c, r, before, after, max(1.0, r["rps"] * wall), console)
+        errors = {m: (admin.status(m)["canary"] or {}).get("evidence", {}).get("errors")
+                  for s, m in setups.items() if s != "passthrough"}  # fmt: skip
+    results = {name: {c: median_run(runs) for c, runs in per.items()} for name, per in raw.items()}
+    ratios: dict[str, dict[int, dict[str, float]]] = {}
+    for name, per in raw.items():
+        if name == "passthrough":
+            continue
+        for c, runs in per.items():
+            rs = [a["p99_ms"] / b["p99_ms"] for a, b in zip(runs, raw["passthrough"][c], strict=True)]
+            ratios.setdefault(name, {})[c] = {"p99": statistics.median(rs), "min": min(rs), "max": max(rs)}
+    return {"results": results, "p99_vs_passthrough": ratios, "runs": raw, "duration_s": args.duration,
+            "nice_sidecar": args.nice_sidecar,
+            "repeats": args.repeats, "replay_errors": errors}  # fmt: skip
+
+
+def compared(admin: AdminClient, model: str) -> int:
+    canary = admin.status(model).get("canary")
+    return int(((canary or {}).get("evidence") or {}).get("compared") or 0)
+
+
+def report(data: dict[str, Any]) -> None:
+    res = data["results"]
+    conc = list(next(iter(res.values())))
+    t = Table(
+        title=f"gRPC clients through the sidecar, by canary (perf_analyzer, medians of {data['repeats']} rounds)"
+    )
+    t.add_column("setup")
+    for c in conc:
+        t.add_column(f"c={c} req/s", justify="right")
+        t.add_column(f"c={c} p99 ms", justify="right")
+        t.add_column(f"c={c} p99 / passthrough", justify="right")
+        t.add_column(f"c={c} pairs/s", justify="right")
+    for name, per in res.items():
+        cells = []
+        for c in conc:
+            r = per[c]
+            q = data["p99_vs_passthrough"].get(name, {}).get(c)
+            ratio = f"{q['p99']:.2f}x ({q['min']:.2f}-{q['max']:.2f})" if q else "-"
+            cells += [f"{r['rps']:.0f}", f"{r['p99_ms']:.2f}", ratio, f"{r['pairs_per_s']:.1f}"]
+        t.add_row(name, *cells)
+    console = Console(width=200)
+    console.print(t)
+    bad = {m: e for m, e in data["replay_errors"].items() if e}
+    console.print(f"[red]replay errors: {bad}" if bad else "[green]no replay errors in any canary")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
+    p.add_argument("--repeats", type=int, default=5, help="rounds")
+    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="canary sample rates")
+    p.add_argument(
+        "--nice-sidecar",
+        type=int,
+        default=0,
+        help="run the sidecar's Python threads at this niceness (its compiled front stays at 0)",
+    )
+    p.add_argument("--json", type=Path, help="write the figures here")
+    args = p.parse_args(argv)
+    data = run(args)
+    report(data)
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
