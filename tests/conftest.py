@@ -32,13 +32,14 @@ def http_json(method: str, url: str, obj: Any = None, timeout: float = 30) -> tu
 
 
 # Tests whose assertions no other test's CPU load can change: outputs, files, exit codes, processes, accuracy
-# (never latency, throughput, a share of the CPU or a deadline under a minute). `make test` runs them two at a time
-# (pytest-xdist) after the others, which run alone: the sidecar's and the demo's canaries judge latency, the
-# serving tuner and the soak measure it, and those figures must not carry another test's load.
+# (never latency, throughput, a share of the CPU or a deadline under a minute). `make test` runs them three at
+# a time (pytest-xdist) after the others, which run alone: the sidecar's and the demo's canaries judge latency,
+# the serving tuner and the soak measure it, and those figures must not carry another test's load.
 CONCURRENT_MODULES = frozenset({
     "test_cli", "test_codec", "test_compose", "test_dashboard", "test_decision_record", "test_errors", "test_fuzz",
     "test_inductor", "test_inductor_triton", "test_install", "test_loadtest", "test_mirror_compare", "test_model",
     "test_pbtxt", "test_prometheus_rules", "test_readme", "test_repository", "test_serving", "test_sidecar_config",
+    "test_sidecar_judge",  # the judge on simulated streams and hand-made evidence: no clock, no server
     "test_sidecar_state", "test_tolerance", "test_triton", "test_tuner_builders", "test_tuner_faults",
     "test_tuner_gate", "test_tuner_inputs", "test_tuner_native", "test_tuner_routes", "test_tuner_search",
     "test_tuner_spec", "test_tuner_speed", "test_tuner_tensorrt",
