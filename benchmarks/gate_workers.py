@@ -1,8 +1,9 @@
 """The gate's outputs one request at a time against one request per core at a time (tuner.gate.run_all).
 
-MiniLM (the demo's ONNX) as the tuner's reference runs it (one intra-op thread, no graph optimisation), over
-the strict spec's declared gate requests (specs/minilm.toml: text of natural lengths, its batch mix). Rounds interleave the two ways; the figure is the median of each round's own ratio.
-The outputs of both ways are compared bit for bit every round.
+MiniLM as the strict spec's [reference] runs it (`tuner.search.reference_runner`: one intra-op thread, no graph
+optimisation), over the spec's declared gate requests (specs/minilm.toml: text of natural lengths, its batch
+mix). Rounds interleave the two ways; the figure is the median of each round's own ratio. The outputs of both
+ways are compared bit for bit every round.
 
     .venv/bin/python benchmarks/gate_workers.py                 # 500 requests, 3 rounds (a few minutes)
     .venv/bin/python benchmarks/gate_workers.py --samples 60 --rounds 1   # smoke
@@ -22,8 +23,8 @@ import numpy as np
 
 from tunegate import models, project
 from tuner import gate
-from tuner.builders.ort import ort_runner
 from tuner.inputs import make_inputs
+from tuner.search import reference_runner
 from tuner.spec import load_spec
 
 
@@ -33,12 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    models.minilm_onnx()  # exported once into the cache, where the spec's `demo:minilm` source points
     spec = load_spec(project.specs_dir() / "minilm.toml")
-    onnx = models.minilm_onnx()
-    inputs = make_inputs(spec.inputs, onnx, "minilm", args.samples)
-    runtime = {"session": {"graph_optimization_level": spec.reference.graph_optimization_level,
-                           "intra_op_num_threads": 1}, "config_entries": {"session.intra_op.allow_spinning": "0"}}  # fmt: skip
-    runner = ort_runner(onnx, runtime)
+    inputs = make_inputs(spec.inputs, spec.model.source, spec.model.name, args.samples)
+    runner = reference_runner(spec)
     workers = gate.gate_workers()
     gate.run_all(runner, inputs, workers=1)  # warm
     seconds: dict[int, list[float]] = {1: [], workers: []}

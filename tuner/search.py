@@ -131,8 +131,8 @@ def run_digests(
     }
 
 
-def reference_outputs(spec: TuneSpec, inputs: InputSet) -> gate.Outputs:
-    """The reference's outputs for every gate request: the source model as the spec's [reference] runs it."""
+def reference_runner(spec: TuneSpec) -> Runner:
+    """The source model as the spec's [reference] runs it."""
     runtime = {
         "session": {
             "graph_optimization_level": spec.reference.graph_optimization_level,
@@ -140,7 +140,12 @@ def reference_outputs(spec: TuneSpec, inputs: InputSet) -> gate.Outputs:
         },
         "config_entries": {"session.intra_op.allow_spinning": "0"},
     }
-    return gate.run_all(ort_runner(spec.model.source, runtime), inputs)
+    return ort_runner(spec.model.source, runtime)
+
+
+def reference_outputs(spec: TuneSpec, inputs: InputSet) -> gate.Outputs:
+    """The reference's outputs for every gate request."""
+    return gate.run_all(reference_runner(spec), inputs)
 
 
 def plan(spec: TuneSpec, strategy: str | None = None) -> dict[str, Any]:
