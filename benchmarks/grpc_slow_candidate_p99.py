@@ -32,14 +32,12 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
-from sidecar_grpc import perf_analyzer, perf_env
-from sidecar_vs_nginx import IDENTITY_PY, cpu_seconds, median_run, record
+from sidecar_grpc import concurrency_table, measure, perf_analyzer, perf_env
+from sidecar_vs_nginx import IDENTITY_PY, median_run
 
 from sidecar.client import AdminClient, SidecarProcess, write_token_file
 from tunegate.repository import ModelConfig, TensorSpec, write_config, write_version
@@ -110,13 +108,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for name in names if rnd % 2 == 0 else names[::-1]:
                     model = setups[name]
                     compared0 = compared(admin, model)
-                    before = cpu_seconds(sc_pid), cpu_seconds(triton_pid)
-                    t0 = time.monotonic()
-                    r = perf_analyzer(sc.grpc_address, model, c, args.duration, work, env)
-                    wall = time.monotonic() - t0
-                    after = cpu_seconds(sc_pid), cpu_seconds(triton_pid)
-                    r["pairs_per_s"] = (compared(admin, model) - compared0) / wall
-                    record(raw, name, c, r, before, after, max(1.0, r["rps"] * wall), console)
+                    r = measure(raw, name, sc.grpc_address, model, c, args.duration, work, env, (sc_pid, triton_pid),
+                                console)  # fmt: skip
+                    r["pairs_per_s"] = (compared(admin, model) - compared0) / r["wall_s"]
         errors = {m: (admin.status(m)["canary"] or {}).get("evidence", {}).get("errors")
                   for s, m in setups.items() if s != "passthrough"}  # fmt: skip
     results = {name: {c: median_run(runs) for c, runs in per.items()} for name, per in raw.items()}
@@ -138,25 +132,16 @@ def compared(admin: AdminClient, model: str) -> int:
 
 
 def report(data: dict[str, Any]) -> None:
-    res = data["results"]
-    conc = list(next(iter(res.values())))
-    t = Table(
-        title=f"gRPC clients through the sidecar, by canary (perf_analyzer, medians of {data['repeats']} rounds)"
-    )
-    t.add_column("setup")
-    for c in conc:
-        t.add_column(f"c={c} req/s", justify="right")
-        t.add_column(f"c={c} p99 ms", justify="right")
-        t.add_column(f"c={c} p99 / passthrough", justify="right")
-        t.add_column(f"c={c} pairs/s", justify="right")
-    for name, per in res.items():
-        cells = []
-        for c in conc:
-            r = per[c]
-            q = data["p99_vs_passthrough"].get(name, {}).get(c)
-            ratio = f"{q['p99']:.2f}x ({q['min']:.2f}-{q['max']:.2f})" if q else "-"
-            cells += [f"{r['rps']:.0f}", f"{r['p99_ms']:.2f}", ratio, f"{r['pairs_per_s']:.1f}"]
-        t.add_row(name, *cells)
+    def ratio(name: str, c: int, _r: dict[str, float]) -> str:
+        q = data["p99_vs_passthrough"].get(name, {}).get(c)
+        return f"{q['p99']:.2f}x ({q['min']:.2f}-{q['max']:.2f})" if q else "-"
+
+    t = concurrency_table(
+        f"gRPC clients through the sidecar, by canary (perf_analyzer, medians of {data['repeats']} rounds)",
+        data["results"],
+        [("req/s", lambda _n, _c, r: f"{r['rps']:.0f}"), ("p99 ms", lambda _n, _c, r: f"{r['p99_ms']:.2f}"),
+         ("p99 / passthrough", ratio), ("pairs/s", lambda _n, _c, r: f"{r['pairs_per_s']:.1f}")],
+    )  # fmt: skip
     console = Console(width=200)
     console.print(t)
     bad = {m: e for m, e in data["replay_errors"].items() if e}

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,34 @@ def perf_analyzer(address: str, model: str, concurrency: int, duration_s: float,
             "p99_ms": float(row["p99 latency"]) / 1000, "seconds": window_ms * 3 / 1000}  # fmt: skip
 
 
+def measure(raw: dict[str, dict[int, list[dict[str, float]]]], name: str, address: str, model: str, concurrency: int,
+            duration_s: float, work: Path, env: dict[str, str], pids: tuple[int | None, int | None],
+            console: Console) -> dict[str, float]:  # fmt: skip
+    """One perf_analyzer run recorded under `name` with the CPU per request of `pids` (the proxy, Triton) over the
+    whole run (its windows and the ramp between: requests estimated from the measured rate over the wall time)."""
+    before = cpu_seconds(pids[0]), cpu_seconds(pids[1])
+    t0 = time.monotonic()
+    r = perf_analyzer(address, model, concurrency, duration_s, work, env)
+    r["wall_s"] = time.monotonic() - t0
+    after = cpu_seconds(pids[0]), cpu_seconds(pids[1])
+    record(raw, name, concurrency, r, before, after, max(1.0, r["rps"] * r["wall_s"]), console)
+    return r
+
+
+def concurrency_table(title: str, results: dict[str, dict[int, dict[str, float]]],
+                      columns: list[tuple[str, Callable[[str, int, dict[str, float]], str]]]) -> Table:  # fmt: skip
+    """A row per setup, for each concurrency one column per (header, cell of setup, concurrency, medians)."""
+    conc = list(next(iter(results.values())))
+    t = Table(title=title)
+    t.add_column("setup")
+    for c in conc:
+        for header, _ in columns:
+            t.add_column(f"c={c} {header}", justify="right")
+    for name, per in results.items():
+        t.add_row(name, *(cell(name, c, per[c]) for c in conc for _, cell in columns))
+    return t
+
+
 def inference_count(triton: EmbeddedTriton, model: str) -> int:
     with grpcclient.InferenceServerClient(triton.grpc_address) as c:
         stats = c.get_inference_statistics(model).model_stats
@@ -194,15 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fast = FAST_SETUPS if rnd % 2 == 0 else FAST_SETUPS[::-1]
                 for name in (*fast, *SLOW_SETUPS):
                     addr, model, pid = targets[name]
-                    before = cpu_seconds(pid), cpu_seconds(triton_pid)
-                    t0 = time.monotonic()
-                    r = perf_analyzer(addr, model, c, args.duration, work, env)
-                    wall = time.monotonic() - t0
-                    after = cpu_seconds(pid), cpu_seconds(triton_pid)
-                    # CPU per request over the whole perf_analyzer run (its windows and the ramp between):
-                    # requests estimated from the measured rate over the wall time.
-                    n = max(1.0, r["rps"] * wall)
-                    record(raw, name, c, r, before, after, n, console)
+                    measure(raw, name, addr, model, c, args.duration, work, env, (pid, triton_pid), console)
         evidence = {m: admin.status(m)["canary"] for m in ("ident", "idents")}
     results = {name: {c: median_run(runs) for c, runs in per.items()} for name, per in raw.items()}
     ratios: dict[str, dict[int, dict[str, float]]] = {}
@@ -236,22 +256,12 @@ def slow_ratios(
 
 
 def report(data: dict[str, Any]) -> None:
-    res = data["results"]
-    conc = list(next(iter(res.values())))
-    t = Table(
-        title=f"gRPC through the sidecar vs nginx grpc_pass (perf_analyzer, medians of {data['repeats']} rounds)"
-    )
-    t.add_column("setup")
-    for c in conc:
-        t.add_column(f"c={c} req/s", justify="right")
-        t.add_column(f"c={c} p99 ms", justify="right")
-        t.add_column(f"c={c} cpu/req us", justify="right")
-    for name, per in res.items():
-        cells = []
-        for c in conc:
-            r = per[c]
-            cells += [f"{r['rps']:.0f}", f"{r['p99_ms']:.2f}", f"{r['proxy_cpu_us']:.0f}"]
-        t.add_row(name, *cells)
+    t = concurrency_table(
+        f"gRPC through the sidecar vs nginx grpc_pass (perf_analyzer, medians of {data['repeats']} rounds)",
+        data["results"],
+        [("req/s", lambda _n, _c, r: f"{r['rps']:.0f}"), ("p99 ms", lambda _n, _c, r: f"{r['p99_ms']:.2f}"),
+         ("cpu/req us", lambda _n, _c, r: f"{r['proxy_cpu_us']:.0f}")],
+    )  # fmt: skip
     console = Console()
     console.print(t)
     for label, per in data["ratios"].items():
