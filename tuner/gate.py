@@ -49,7 +49,8 @@ def request_classes(inputs: InputSet) -> dict[str, int]:
 
 def gate_workers() -> int:
     """Gate requests run at once by a runner that allows it: one per core, at most MAX_GATE_WORKERS."""
-    return max(1, min(MAX_GATE_WORKERS, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_GATE_WORKERS, cores))
 
 
 def run_all(runner: Runner, inputs: InputSet, workers: int | None = None) -> Outputs:
