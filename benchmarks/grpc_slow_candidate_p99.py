@@ -12,6 +12,9 @@ embedded Triton, through one sidecar's compiled front (`tunegate-grpc-front`). S
   passthrough          no canary
   slow@R / ident@R     a canary at sample rate R (shadow latency pairing: one pair of copies out at a time)
                        of a candidate 100 ms slower / identical
+  ... pQ<=S            the same with the mirror budget on (`--budgets S@Q`, e.g. 0.05@0.99: the clients' p99
+                       may rise 5%); each such canary first runs `--warm` seconds at each concurrency so that its
+                       controller finds its rate, and its pauses count in what the clients see
 
 Every setup is up at once; the runs interleave (each round, each concurrency, the setups in an order that
 reverses every round); figures are medians over the rounds, ratios the medians of each round's own ratios to
@@ -19,6 +22,7 @@ passthrough's p99 (measured seconds apart). Pairs per second come from each cana
 
     .venv/bin/python benchmarks/grpc_slow_candidate_p99.py                        # about 12 minutes
     .venv/bin/python benchmarks/grpc_slow_candidate_p99.py --duration 2 --repeats 1 -c 1   # smoke
+    .venv/bin/python benchmarks/grpc_slow_candidate_p99.py --rates 1 --budgets off 0.05@0.99 --repeats 6
 
 Needs the compiled front (`make native`) and perf_analyzer's libraries (see benchmarks/sidecar_grpc.py).
 """
@@ -47,12 +51,28 @@ TOKEN = "benchmark-admin-token-0123456789"
 DEFAULT_RATES = (1.0, 0.01, 0.001)
 
 
-def model_name(kind: str, rate: float) -> str:
-    return f"{kind}_{str(rate).replace('.', 'p')}"
+Budget = tuple[float, float] | None  # (max_client_slowdown, quantile), or None: off
 
 
-def build_repository(root: Path, rates: list[float]) -> dict[str, str]:
-    """Triton models for each setup; returns setup -> model name."""
+def parse_budget(text: str) -> Budget:
+    if text == "off":
+        return None
+    slowdown, _, q = text.partition("@")
+    return float(slowdown), float(q or 0.5)
+
+
+def model_name(kind: str, rate: float, b: int = 0) -> str:
+    return f"{kind}_{str(rate).replace('.', 'p')}" + (f"_b{b}" if b else "")
+
+
+def setup_name(kind: str, rate: float, budget: Budget) -> str:
+    return f"{kind}@{rate:g}" + ("" if budget is None else f" p{100 * budget[1]:g}<={budget[0]:.0%}")
+
+
+def build_repository(
+    root: Path, rates: list[float], budgets: list[Budget]
+) -> tuple[dict[str, str], dict[str, Budget]]:
+    """Triton models for each setup; returns setup -> model name, and setup -> its canary's budget."""
 
     def model(name: str, versions: dict[int, dict[str, float]]) -> None:
         for v, behaviour in versions.items():
@@ -62,21 +82,23 @@ def build_repository(root: Path, rates: list[float]) -> dict[str, str]:
         write_config(root, ModelConfig(name, (TensorSpec("x", "FP32", (16,)),), (TensorSpec("y", "FP32", (16,)),),
                                        versions=(1,)))  # fmt: skip
 
-    setups = {"passthrough": "plain"}
+    setups, budget_of = {"passthrough": "plain"}, {}
     model("plain", {1: {}})
     for rate in rates:
         candidates: tuple[tuple[str, dict[str, float]], ...] = (("slow", {"delay_ms": 100.0}), ("ident", {}))
-        for kind, cand in candidates:
-            name = model_name(kind, rate)
-            model(name, {1: {}, 2: cand})
-            setups[f"{kind}@{rate:g}"] = name
-    return setups
+        for b, budget in enumerate(budgets):
+            for kind, cand in candidates:
+                name = model_name(kind, rate, b)
+                model(name, {1: {}, 2: cand})
+                setup = setup_name(kind, rate, budget)
+                setups[setup], budget_of[setup] = name, budget
+    return setups, budget_of
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     env = perf_env()
     work = Path(tempfile.mkdtemp(prefix="bench-grpc-p99-"))
-    setups = build_repository(work / "repo", args.rates)
+    setups, budget_of = build_repository(work / "repo", args.rates, args.budgets)
     token = write_token_file(work / "token", TOKEN)
     raw: dict[str, dict[int, list[dict[str, float]]]] = {}
     console = Console(stderr=True)
@@ -98,10 +120,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tol = {"y": {"metric": "linf", "threshold": 1e-6}}
         for setup, model in setups.items():
             if setup != "passthrough":
-                admin.start(model, 2, tol, sample_rate=float(setup.split("@")[1]), **unjudged)
+                budget = budget_of[setup]
+                on = {} if budget is None else {"max_client_slowdown": budget[0], "budget_quantile": budget[1],
+                                                "budget_period_s": args.budget_period, "budget_pause_s": args.budget_pause}  # fmt: skip
+                admin.start(
+                    model, 2, tol, sample_rate=float(setup.split("@")[1].split()[0]), **unjudged, **on
+                )
         names = list(setups)
-        for name in names:  # warm each path
-            perf_analyzer(sc.grpc_address, setups[name], 1, 1.5, work, env)
+        for name in names:  # warm each path; a budget's controller finds its rate at each concurrency
+            for c in args.concurrency if budget_of.get(name) else [1]:
+                perf_analyzer(
+                    sc.grpc_address, setups[name], c, args.warm if budget_of.get(name) else 1.5, work, env
+                )
         for rnd in range(args.repeats):
             console.print(f"[bold]round {rnd + 1} of {args.repeats}")
             for c in args.concurrency:
@@ -113,6 +143,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     r["pairs_per_s"] = (compared(admin, model) - compared0) / r["wall_s"]
         errors = {m: (admin.status(m)["canary"] or {}).get("evidence", {}).get("errors")
                   for s, m in setups.items() if s != "passthrough"}  # fmt: skip
+        budgets = {s: (admin.status(m)["canary"] or {}).get("mirror_budget")
+                   for s, m in setups.items() if budget_of.get(s)}  # fmt: skip
     results = {name: {c: median_run(runs) for c, runs in per.items()} for name, per in raw.items()}
     ratios: dict[str, dict[int, dict[str, float]]] = {}
     for name, per in raw.items():
@@ -123,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ratios.setdefault(name, {})[c] = {"p99": statistics.median(rs), "min": min(rs), "max": max(rs)}
     return {"results": results, "p99_vs_passthrough": ratios, "runs": raw, "duration_s": args.duration,
             "nice_sidecar": args.nice_sidecar,
-            "repeats": args.repeats, "replay_errors": errors}  # fmt: skip
+            "repeats": args.repeats, "replay_errors": errors, "budgets": budgets}  # fmt: skip
 
 
 def compared(admin: AdminClient, model: str) -> int:
@@ -146,6 +178,11 @@ def report(data: dict[str, Any]) -> None:
     console.print(t)
     bad = {m: e for m, e in data["replay_errors"].items() if e}
     console.print(f"[red]replay errors: {bad}" if bad else "[green]no replay errors in any canary")
+    for setup, b in (data.get("budgets") or {}).items():
+        if b:
+            console.print(f"{setup}: sample rate {b['sample_rate']:.3g} (lowest {b['min_sample_rate_seen']:.3g}, floor "
+                          f"{b['floor_sample_rate'] or 0:.3g}), {b['decreases']} halvings, {b['increases']} increases, "
+                          f"{b['pauses']} pauses, overall added {b['overall']['added']}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="rounds")
     p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="canary sample rates")
+    p.add_argument(
+        "--budgets",
+        type=parse_budget,
+        nargs="+",
+        default=[None],
+        help="each canary setup with each mirror budget: off, or SLOWDOWN@QUANTILE (0.05@0.99)",
+    )
+    p.add_argument("--budget-period", type=float, default=10.0, help="the budget's budget_period_s")
+    p.add_argument("--budget-pause", type=float, default=1.0, help="the budget's budget_pause_s")
+    p.add_argument(
+        "--warm", type=float, default=20.0, help="seconds a budget's canary runs before the rounds"
+    )
     p.add_argument(
         "--nice-sidecar",
         type=int,

@@ -4,15 +4,24 @@ Mirrored copies run on the same machine as the client's requests (the candidate,
 pairing a second instance of the baseline); where the device or the CPU is saturated they slow the clients
 down. The client path already times each proxied request; `CanaryManager.offer` adds that latency to the
 current window's histogram (one bisect and one increment, no allocation). Windows alternate on a schedule:
-every `budget_period_s` the mirror pauses for `budget_pause_s` (sample rate 0; counting starts once the
-last mirrored copy has come back), which gives the client p50 without mirroring on the same load, fresh;
-the rest of the period mirrors and gives the p50 with it. From the judge tick, at most once per
-`DECIDE_EVERY_S` and only on windows of at least `MIN_WINDOW_REQUESTS` requests, the added fraction
-`p50_mirroring / p50_paused - 1` drives an AIMD-like controller of the effective sample rate within
-[min_rate, sample_rate]: above `max_client_slowdown` it halves, below it grows by an eighth (at least
-min_rate). "Above" is shown, not guessed: more than half of the window's requests must be slower than
-`p50_paused * (1 + max_client_slowdown)` by two standard errors (a sign test), so a short window's noise
-on a fast model does not halve the rate; between that and "at most half", the rate holds.
+every `budget_period_s` the mirror pauses (sample rate 0) and, once the last mirrored copy has come back, counts
+`budget_pause_s` of client traffic without it, which gives the clients' latency quantile `budget_quantile` (the median by
+default, 0.99 for their p99) without mirroring on the same load, fresh; the rest of the period mirrors and
+gives the quantile with it. From the judge tick, at most once per `DECIDE_EVERY_S` and only on windows with
+enough requests for the quantile (`min_requests`), the added fraction `q_mirroring / q_paused - 1` drives an
+AIMD-like controller of the effective sample rate: above `max_client_slowdown` it halves, below it grows by
+an eighth.
+
+"Above" is shown, not guessed: the share of the window's requests slower than `q_paused * (1 +
+max_client_slowdown)` must exceed the share a quantile leaves above it (1 - q) by `Z` standard errors, those
+of the window's share and of the paused quantile's own estimate (a two-sample sign test), so neither a short
+window's noise nor a pause that happened to run fast halves the rate; between that and "at most 1 - q", the
+rate holds. A pause with fewer requests than the quantile needs is merged with the next ones.
+
+The rate's floor is counted in samples per second at the traffic measured (`budget_min_samples_per_s`), not as
+a share of calls: a share would keep a copy out all the time at high traffic (1% of 1,400 calls a second is 14
+samples a second, more than one shadow pair of a 100 ms slower candidate can take), and starve the evidence at
+low traffic. The floor is never above `sample_rate`.
 
 Fewer samples never bias the judge (a sampled request is judged the same way at any rate); they only
 make the evidence arrive later. Budget state is not persisted: a restarted sidecar starts with a pause.
@@ -26,26 +35,31 @@ from typing import Any
 
 # Client latency histogram: buckets 1% wide from 50 us to about 56 s (bisect_left: the first bound >= value).
 BOUNDS: tuple[float, ...] = tuple(5e-5 * 1.01**k for k in range(1400))
-MIN_RATE = 0.01  # the effective rate never goes below this (or sample_rate, if lower): evidence keeps coming
-MIN_WINDOW_REQUESTS = 30  # a window with fewer client requests gives no p50 (it is extended, or dropped)
+MIN_WINDOW_REQUESTS = 30  # a median's window needs this many requests (15 on each side); see min_requests
 DECIDE_EVERY_S = 1.0
-INCREASE_FRACTION = 0.125  # growth per decision under the budget, as a fraction of the rate (>= min_rate)
-Z = 2.0  # standard errors by which the share of requests above the limit must exceed one half to halve the rate
+INCREASE_FRACTION = 0.125  # growth per decision under the budget, as a fraction of the rate (>= the floor)
+Z = 2.0  # standard errors by which the share above the limit must exceed 1 - q to halve the rate
 
 
 def new_counts() -> list[int]:
     return [0] * (len(BOUNDS) + 1)
 
 
-def p50(counts: list[int]) -> float | None:
-    """The median of a histogram (the bucket's geometric middle), or None with fewer than MIN_WINDOW_REQUESTS."""
+def min_requests(q: float) -> int:
+    """Requests a window needs for quantile `q`: 15 expected on the quantile's far side (30 for the median,
+    1,500 for the 99th percentile)."""
+    return math.ceil(MIN_WINDOW_REQUESTS * 0.5 / (1.0 - q) - 1e-9)
+
+
+def quantile(counts: list[int], q: float = 0.5) -> float | None:
+    """Quantile `q` of a histogram (the bucket's geometric middle), or None with fewer than `min_requests(q)`."""
     n = sum(counts)
-    if n < MIN_WINDOW_REQUESTS:
+    if n < min_requests(q):
         return None
-    half, seen = (n + 1) / 2, 0
+    rank, seen = min(n, q * (n + 1)), 0
     for i, c in enumerate(counts):
         seen += c
-        if seen >= half:
+        if seen >= rank:
             if i == 0:
                 return BOUNDS[0]
             if i == len(BOUNDS):
@@ -58,6 +72,16 @@ def share_above(counts: list[int], limit: float) -> tuple[float, int]:
     """The share of the histogram's requests slower than `limit` (whole buckets above it), and their number."""
     n = sum(counts)
     return (sum(counts[bisect.bisect_right(BOUNDS, limit) + 1 :]) / n if n else 0.0), n
+
+
+def slower(share: float, n: int, q: float, m: int) -> bool | None:
+    """The sign test: True when a window's `share` of `n` requests above the limit shows it slower than a
+    baseline quantile `q` estimated from `m` requests; False when the share is at most 1 - q; None between."""
+    expected = 1.0 - q
+    if share <= expected:
+        return False
+    se = math.sqrt(q * expected * (1.0 / n + (1.0 / m if m else 0.0)))
+    return True if share > expected + Z * se else None
 
 
 def _merge(total: list[int], window: list[int]) -> None:
@@ -81,28 +105,34 @@ class MirrorBudget:
         "decreases",
         "effective",
         "enabled",
+        "floor",
         "increases",
         "max_rate",
-        "min_rate",
+        "min_per_s",
         "min_seen",
+        "off_m",
+        "off_pending",
         "off_total",
         "on_total",
-        "p50_off",
-        "p50_on",
         "pause_s",
         "paused",
         "pauses",
         "period_s",
         "phase_since",
+        "q",
+        "q_off",
+        "q_on",
         "rate",
         "window",
         "window_since",
     )  # fmt: skip
 
     def __init__(self, sample_rate: float, max_client_slowdown: float | None, period_s: float, pause_s: float,
-                 now: float) -> None:  # fmt: skip
+                 now: float, quantile: float = 0.5, min_samples_per_s: float = 1.0) -> None:  # fmt: skip
         self.max_rate = sample_rate
-        self.min_rate = min(MIN_RATE, sample_rate)
+        self.q = quantile
+        self.min_per_s = min_samples_per_s
+        self.floor: float | None = None  # the last decision's lowest rate: min_per_s at the traffic measured
         self.budget = float(max_client_slowdown or 0.0)
         self.enabled = self.budget > 0.0
         self.period_s, self.pause_s = period_s, pause_s
@@ -114,8 +144,10 @@ class MirrorBudget:
         # window it was measured in, never to the next one it arrives in
         self.window = 0
         self.on_total, self.off_total = new_counts(), new_counts()
-        self.p50_on: float | None = None  # the last mirroring window's client p50 (seconds)
-        self.p50_off: float | None = None  # the last pause's
+        self.off_pending = new_counts()  # pauses too short for the quantile, merged until they are not
+        self.q_on: float | None = None  # the last mirroring window's client quantile (seconds)
+        self.q_off: float | None = None  # the last pauses'
+        self.off_m = 0  # requests the paused quantile was estimated from
         self.added: float | None = None  # the last decision's added fraction
         self.decreases = self.increases = self.pauses = 0
         self.paused = False
@@ -146,20 +178,25 @@ class MirrorBudget:
         if self.paused:
             if self.counts is None and in_flight == 0:
                 self._window(new_counts())  # the last copy is back: from now on, clients meet no mirror load
-            if now - self.phase_since >= self.pause_s:
-                if self.counts is not None:
-                    off = p50(self.counts)
-                    _merge(self.off_total, self.counts)
-                    if off is not None:
-                        self.p50_off = off
+                self.phase_since = now  # the pause measures `pause_s` from here, whatever the tick's period
+            elif self.counts is None and now - self.phase_since >= self.period_s:
+                self._mirror(now)  # copies still out after a whole period: this pause measures nothing
+                return
+            if self.counts is not None and now - self.phase_since >= self.pause_s:
+                _merge(self.off_total, self.counts)
+                _merge(self.off_pending, self.counts)
+                off = quantile(self.off_pending, self.q)
+                if off is not None:
+                    self.q_off, self.off_m = off, sum(self.off_pending)
+                    self.off_pending = new_counts()
                 self._mirror(now)
             return
         counts = self.counts
         assert counts is not None
         if now - self.window_since >= DECIDE_EVERY_S:
-            on = p50(counts)
+            on = quantile(counts, self.q)
             if on is not None:
-                self._decide(on, counts)
+                self._decide(on, counts, now - self.window_since)
                 _merge(self.on_total, counts)
                 self._window(new_counts())
                 self.window_since = now
@@ -168,29 +205,31 @@ class MirrorBudget:
                 _merge(self.on_total, counts)
             self._pause(now)
 
-    def _decide(self, on: float, counts: list[int]) -> None:
-        self.p50_on = on
-        added = _added(on, self.p50_off)
-        if added is None or self.p50_off is None:
+    def _decide(self, on: float, counts: list[int], seconds: float) -> None:
+        self.q_on = on
+        added = _added(on, self.q_off)
+        if added is None or self.q_off is None:
             return  # no baseline yet (too little traffic in the pauses): the rate holds
         self.added = added
-        share, n = share_above(counts, self.p50_off * (1.0 + self.budget))
-        if share > 0.5 + Z * 0.5 / math.sqrt(n):
-            new = max(self.min_rate, self.effective / 2)
+        share, n = share_above(counts, self.q_off * (1.0 + self.budget))
+        floor = self.floor = min(self.max_rate, self.min_per_s * seconds / n)  # n >= min_requests: never 0
+        verdict = slower(share, n, self.q, self.off_m)
+        if verdict:
+            new = max(floor, self.effective / 2)
             self.decreases += new < self.effective
-        elif share <= 0.5:
-            new = min(self.max_rate, self.effective + max(self.min_rate, self.effective * INCREASE_FRACTION))
+        elif verdict is False:
+            new = min(self.max_rate, self.effective + max(floor, self.effective * INCREASE_FRACTION))
             self.increases += new > self.effective
         else:
-            return
+            new = max(floor, self.effective)  # holds, but never under the floor the traffic now sets
         self.effective = new
         self.min_seen = min(self.min_seen, new)
         self.rate = new
 
     # -- reporting -------------------------------------------------------------------------------
     def overall(self) -> tuple[float | None, float | None, float | None]:
-        """Client p50 over every mirroring window and over every pause so far, and the added fraction."""
-        on, off = p50(self.on_total), p50(self.off_total)
+        """The client quantile over every mirroring window and over every pause so far, and the added fraction."""
+        on, off = quantile(self.on_total, self.q), quantile(self.off_total, self.q)
         return on, off, _added(on, off)
 
     def status(self) -> dict[str, Any]:
@@ -198,14 +237,17 @@ class MirrorBudget:
         return {
             "enabled": self.enabled,
             "max_client_slowdown": self.budget if self.enabled else None,
+            "quantile": self.q,
             "sample_rate": self.effective,
             "max_sample_rate": self.max_rate,
             "min_sample_rate_seen": self.min_seen,
+            "floor_sample_rate": self.floor,
+            "min_samples_per_s": self.min_per_s,
             "phase": "off" if not self.enabled else ("paused" if self.paused else "mirroring"),
-            "client_p50_mirroring_s": self.p50_on,
-            "client_p50_paused_s": self.p50_off,
+            "client_latency_mirroring_s": self.q_on,
+            "client_latency_paused_s": self.q_off,
             "added": self.added,
-            "overall": {"client_p50_mirroring_s": on, "client_p50_paused_s": off, "added": added},
+            "overall": {"client_latency_mirroring_s": on, "client_latency_paused_s": off, "added": added},
             "decreases": self.decreases,
             "increases": self.increases,
             "pauses": self.pauses,
@@ -216,9 +258,10 @@ class MirrorBudget:
         on, off, added = self.overall()
         return {
             "max_client_slowdown": self.budget if self.enabled else None,
+            "client_latency_quantile": self.q,
             "mirror_sample_rate": self.effective,
             "mirror_sample_rate_min": self.min_seen,
-            "client_p50_mirroring_s": on,
-            "client_p50_paused_s": off,
+            "client_latency_mirroring_s": on,
+            "client_latency_paused_s": off,
             "client_slowdown": added,
         }

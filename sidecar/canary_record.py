@@ -81,7 +81,7 @@ class Canary:
     def __post_init__(self) -> None:
         p = self.params
         self.budget = MirrorBudget(p.sample_rate, p.max_client_slowdown, p.budget_period_s, p.budget_pause_s,
-                                   time.monotonic())  # fmt: skip
+                                   time.monotonic(), p.budget_quantile, p.budget_min_samples_per_s)  # fmt: skip
         # Shadow pairing sends one pair at a time: with several in flight, the slower side's copies queue
         # behind each other at its instance while the faster side's do not, and a 3% slower candidate
         # looked twice as slow (closed-loop queueing). One pair at a time meets two empty queues.

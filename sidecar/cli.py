@@ -220,18 +220,19 @@ def _print_status(result: dict[str, Any]) -> None:
 
 
 def _budget_cell(canary: dict[str, Any]) -> str:
-    """The effective mirror sample rate and the client p50 with and without mirroring ("0.25 (3.1/2.9 ms, +6.9%)")."""
+    """The effective mirror sample rate and the client latency quantile with and without mirroring
+    ("0.25 (p50 3.1/2.9 ms, +6.9%)")."""
     b = canary.get("mirror_budget") or {}
     if not b:
         return ""
     cell = f"{b['sample_rate']:.3g}"
     if not b.get("enabled"):
         return cell + " (budget off)"
-    on, off, added = b.get("client_p50_mirroring_s"), b.get("client_p50_paused_s"), b.get("added")
+    on, off, added = b.get("client_latency_mirroring_s"), b.get("client_latency_paused_s"), b.get("added")
     ms = "/".join("?" if v is None else f"{1000 * v:.3g}" for v in (on, off))
     limit = f"{100 * b['max_client_slowdown']:g}%"
     return (
-        f"{cell} ({ms} ms, "
+        f"{cell} (p{100 * float(b.get('quantile') or 0.5):g} {ms} ms, "
         + ("?" if added is None else f"{100 * added:+.1f}%")
         + f" of {limit}"
         + (", paused)" if b.get("phase") == "paused" else ")")

@@ -22,6 +22,7 @@ GRPC_FRONTS = ("auto", "native", "python")
 
 LATENCY_PAIRINGS = ("primary", "shadow")
 MAX_DEADLINE_S = 7 * 86400.0
+MAX_BUDGET_QUANTILE = 0.999  # the mirror budget's quantile: beyond it a window needs over 15,000 requests
 
 
 class ConfigError(InputError):
@@ -82,6 +83,11 @@ class CanaryParams:
     max_client_slowdown: float | None = None
     budget_period_s: float = 30.0
     budget_pause_s: float = 3.0
+    # Which client latency the budget bounds: 0.5 the median, 0.99 the p99 (a window then needs 1,500 requests,
+    # sidecar.budget.min_requests; a pause with fewer is merged with the next ones).
+    budget_quantile: float = 0.5
+    # The lowest effective rate, in samples a second at the traffic measured (never above `sample_rate`).
+    budget_min_samples_per_s: float = 1.0
 
     def __post_init__(self) -> None:
         _fraction("sample_rate", self.sample_rate, open_low=True)
@@ -112,8 +118,11 @@ class CanaryParams:
             raise ConfigError(
                 f"max_client_slowdown must be None or within [0, 10) (0 or None: off), got {s!r}"
             )
-        for name in ("budget_period_s", "budget_pause_s"):
+        for name in ("budget_period_s", "budget_pause_s", "budget_min_samples_per_s"):
             _positive(name, getattr(self, name))
+        q = self.budget_quantile
+        if not isinstance(q, float) or not 0.5 <= q <= MAX_BUDGET_QUANTILE:
+            raise ConfigError(f"budget_quantile must be within [0.5, {MAX_BUDGET_QUANTILE}], got {q!r}")
         if self.budget_pause_s >= self.budget_period_s:
             raise ConfigError(f"budget_pause_s ({self.budget_pause_s}) must be shorter than budget_period_s "
                               f"({self.budget_period_s})")  # fmt: skip
@@ -154,7 +163,7 @@ class CanaryParams:
         values = {**(base or cls()).to_dict(), **raw}
         for k in ("timeout_s", "deadline_s", "required_speedup", "latency_slack", "confidence", "warmup_s", "min_duration_s",
                   "sample_rate", "aa_rate", "oot_budget", "error_budget", "max_memory_ratio", "min_throughput_ratio", "max_client_slowdown",
-                  "budget_period_s", "budget_pause_s"):  # fmt: skip
+                  "budget_period_s", "budget_pause_s", "budget_quantile", "budget_min_samples_per_s"):  # fmt: skip
             if isinstance(values[k], int) and not isinstance(values[k], bool):
                 values[k] = float(values[k])
         return cls(**values)

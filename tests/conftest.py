@@ -36,6 +36,7 @@ def http_json(method: str, url: str, obj: Any = None, timeout: float = 30) -> tu
 # a time (pytest-xdist) after the others, which run alone: the sidecar's and the demo's canaries judge latency,
 # the serving tuner and the soak measure it, and those figures must not carry another test's load.
 CONCURRENT_MODULES = frozenset({
+    "test_budget_controller",  # the mirror budget on simulated latencies and a simulated clock
     "test_cli", "test_codec", "test_compose", "test_dashboard", "test_decision_record", "test_errors", "test_fuzz",
     "test_inductor", "test_inductor_triton", "test_install", "test_loadtest", "test_mirror_compare", "test_model",
     "test_pbtxt", "test_prometheus_rules", "test_readme", "test_repository", "test_serving", "test_sidecar_config",

@@ -95,9 +95,10 @@ def sidecar_for(triton_factory: Any, tmp_path: Path) -> Any:
 
 
 async def test_budget_holds_client_slowdown_under_saturation(sidecar_for: Any) -> None:
-    # A candidate 6x the baseline's work: unbounded, the mirror keeps about a core busy. Even at the budget's
-    # floor rate (1%) a candidate's copies cost clients CPU on a saturated 2-core host: at 15x the work that floor
-    # alone was 27% of client p50 on an AVX-512 CPU (0.66 of the unbounded cost), at 6x it is a few per cent.
+    # A candidate 6x the baseline's work: unbounded, the mirror keeps about a core busy. Even at a floor of 1% of
+    # calls a candidate's copies cost clients CPU on a saturated 2-core host: at 15x the work that floor alone was
+    # 27% of client p50 on an AVX-512 CPU (0.66 of the unbounded cost), at 6x it is a few per cent. The budget's
+    # floor is 1 sample a second (sidecar.budget), a share of calls that depends on this host's speed.
     sc = sidecar_for({"burn": ({"work": 20_000}, {"work": 120_000})})
     url, samples, stop = sc.url, [], asyncio.Event()
     async with aiohttp.ClientSession() as client:
@@ -151,18 +152,18 @@ async def test_budget_holds_client_slowdown_under_saturation(sidecar_for: Any) -
     slowdown_off, slowdown_on = off / base - 1, on / base - 1
     print(f"\nclient p50: no canary {1000 * base:.2f} ms, budget off {1000 * off:.2f} ms ({slowdown_off:+.1%}), "
           f"budget on {1000 * on:.2f} ms ({slowdown_on:+.1%}); rates {[round(r, 3) for r in rates]}; "
-          f"sidecar's view {b}; record {[(k, rec['evidence'][k]) for k in ('mirror_sample_rate', 'mirror_sample_rate_min', 'client_p50_mirroring_s', 'client_p50_paused_s', 'client_slowdown')]}")  # fmt: skip
+          f"sidecar's view {b}; record {[(k, rec['evidence'][k]) for k in ('mirror_sample_rate', 'mirror_sample_rate_min', 'client_latency_mirroring_s', 'client_latency_paused_s', 'client_slowdown')]}")  # fmt: skip
     assert slowdown_off > 0.15  # the scenario: unbounded mirroring costs clients dearly
     assert min(rates) < 0.5 and b["decreases"] >= 2 and b["min_sample_rate_seen"] < 0.5
     # Held towards the budget: a fraction of the unbounded cost (0.3-0.45 of it measured on 2 shared cores, where
     # other load moves a 1 s window's p50 by tens of per cent; the budget itself is not asserted on so few seconds).
     assert slowdown_on < 0.6 * slowdown_off
-    assert b["added"] is not None and b["client_p50_paused_s"] is not None
+    assert b["added"] is not None and b["client_latency_paused_s"] is not None
     assert gauge(metrics, "tunegate_mirror_sample_rate", "burn") == b["sample_rate"] < 1.0
     assert gauge(metrics, "tunegate_client_slowdown", "burn") == b["added"]
     ev = rec["evidence"]
     assert ev["max_client_slowdown"] == 0.05 and ev["mirror_sample_rate_min"] < 0.5
-    assert ev["client_p50_paused_s"] > 0 and ev["client_slowdown"] is not None
+    assert ev["client_latency_paused_s"] > 0 and ev["client_slowdown"] is not None
 
 
 async def test_budget_keeps_full_rate_on_an_idle_machine(sidecar_for: Any) -> None:
@@ -191,6 +192,6 @@ async def test_budget_keeps_full_rate_on_an_idle_machine(sidecar_for: Any) -> No
     b = st["canary"]["mirror_budget"]
     print(f"\nidle: rates {set(rates)}; sidecar's view {b}")
     assert set(rates) == {1.0} and b["decreases"] == 0 and b["pauses"] >= 2
-    assert b["client_p50_paused_s"] is not None and b["added"] is not None  # measured, and within the budget
+    assert b["client_latency_paused_s"] is not None and b["added"] is not None  # measured, within the budget
     assert st["canary"]["evidence"]["compared"] > 100
     assert gauge(metrics, "tunegate_mirror_sample_rate", "calm") == 1.0
