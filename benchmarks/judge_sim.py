@@ -3,9 +3,11 @@
 Each scenario is a stream of mirrored requests as the sidecar sees them: request classes (batch buckets
 with their own base latency), paired latencies (a contention factor common to both versions of a pair,
 each version's own jitter, spikes, heavy tails, drift), out-of-tolerance outcomes (independent, clustered
-in runs, tied to one request class), errors and timeouts on either side, A/A replays. The judge
+in runs, tied to one request class), errors and timeouts on either side, A/A replays, and a placement per set
+of instances (the candidate's process faster or slower than the baseline's for as long as it lives). The judge
 (`sidecar.judge.judge`, unchanged) is asked every LOOK samples, as the sidecar asks it once a second, up
-to the deadline. Each scenario runs over SEEDS seeds.
+to the deadline; after each look, fresh instances are loaded where the canary would load them
+(`wants_placement`), their first WARMUP samples unpaired. Each scenario runs over SEEDS seeds.
 
     python benchmarks/judge_sim.py                      # every scenario, 1000 seeds each
     python benchmarks/judge_sim.py --seeds 200 --only identical-jitter --json
@@ -24,6 +26,7 @@ import multiprocessing
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sidecar.config import CanaryParams
-from sidecar.judge import BLOCK, INCONCLUSIVE, PIN, PROMOTE, Evidence, JudgeParams, judge
+from sidecar.judge import (
+    BLOCK,
+    INCONCLUSIVE,
+    MAX_PLACEMENTS,
+    MAX_SET_PAIRS,
+    PIN,
+    PROMOTE,
+    Evidence,
+    JudgeParams,
+    disagree,
+    judge,
+    wants_placement,
+)
 
 CLASSES = (("b1", 0.55, 1.0), ("b2", 0.2, 1.5), ("b4", 0.13, 2.3), ("b8", 0.08, 3.6), ("b16", 0.04, 5.8))
 DEFAULTS = CanaryParams()
@@ -158,9 +173,13 @@ class Stream:
     aa_oot: np.ndarray
     err: np.ndarray
     aa_err: np.ndarray
+    # each set of instances' placement: the candidate's latency factor against the baseline's on it
+    placement: np.ndarray = dataclasses.field(default_factory=lambda: np.ones(MAX_PLACEMENTS))
 
 
 def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
+    """The candidate's latencies are those of its first set of instances' placement; `Prefix` applies the
+    placement of the set each pair ran on."""
     n = sc.deadline
     names = np.array([c for c, _, _ in CLASSES])
     shares = np.array([s for _, s, _ in CLASSES])
@@ -187,9 +206,11 @@ def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
         ratio = np.where(names[ci] == sc.class_ratio[0], ratio * sc.class_ratio[1], ratio)
     if sc.tail_share:
         ratio = np.where(rng.random(n) < sc.tail_share, ratio * sc.tail_factor, ratio)
+    placement = np.ones(MAX_PLACEMENTS)
     if sc.placement or sc.placement_out:
-        sigma = sc.placement_out_sigma if rng.random() < sc.placement_out else sc.placement
-        ratio *= math.exp(rng.normal(0.0, sigma))
+        for k in range(MAX_PLACEMENTS):  # each set of instances draws its own
+            sigma = sc.placement_out_sigma if rng.random() < sc.placement_out else sc.placement
+            placement[k] = math.exp(rng.normal(0.0, sigma))
     candidate = common * ratio * side()
     cls = names[ci]
     # Non-determinism: each execution of the baseline (the primary, its A/A replay) and of a candidate that
@@ -209,7 +230,7 @@ def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
     oot |= odd_primary | (rng.random(n) < q)  # the candidate inherits the baseline's own non-determinism
     err = rng.random(n) < sc.error_rate
     aa_err = rng.random(n) < sc.aa_error_rate
-    return Stream(cls, primary, candidate, oot, aa_oot, err, aa_err)
+    return Stream(cls, primary, candidate, oot, aa_oot, err, aa_err, placement)
 
 
 class Prefix:
@@ -221,6 +242,8 @@ class Prefix:
         oot_ok = st.oot & ok
         self.c_ok, self.c_oot, self.c_err = (np.cumsum(a, dtype=np.int64) for a in (ok, oot_ok, st.err))
         self.okpos = np.flatnonzero(ok)
+        self.split = False  # pairs tagged with their set of instances (placements > 1)
+        self.reload(())
         seq = st.oot[self.okpos]
         nb = seq.size // BLOCK
         self.blocks = seq[: nb * BLOCK].reshape(nb, BLOCK).sum(axis=1).astype(int).tolist()
@@ -236,18 +259,43 @@ class Prefix:
                                  np.cumsum((st.cls == c) & oot_ok, dtype=np.int64))
                         for c in np.unique(st.cls)}  # fmt: skip
 
+    def reload(self, at: Sequence[int], split: bool = False) -> None:
+        """Fresh instances from each sample in `at` on: their first WARMUP samples are not paired (the canary's
+        warm-up after a load), and each pair carries its set's index."""
+        self.reloads = np.asarray(at, dtype=np.int64)
+        self.split = split or bool(len(at))
+        pairpos = self.okpos[WARMUP:]  # the samples paired: after the first warm-up
+        for r in at:
+            pairpos = pairpos[(pairpos < r) | (pairpos >= r + WARMUP)]
+        self.pairpos = pairpos
+        st = self.st
+        self.pair_set = np.searchsorted(self.reloads, pairpos, side="right")
+        self.pair_ratio = st.candidate[pairpos] * st.placement[self.pair_set] / st.primary[pairpos]
+
+    def pairs_since(self, i: int) -> int:
+        """Pairs among the first `i` samples from the current set of instances."""
+        first = int(self.reloads[-1]) if self.reloads.size else 0
+        return int(np.searchsorted(self.pairpos, i) - np.searchsorted(self.pairpos, first))
+
     def evidence(self, i: int, expected: dict[str, float]) -> Evidence:
         st = self.st
         compared = int(self.c_ok[i - 1])
         m = -(-i // self.aa_every)  # replays among the first i samples
         aa = {name: int(c[m - 1]) if m else 0 for name, c in self.aa.items()}
-        pairs_total = max(0, compared - WARMUP)
-        held = self.okpos[WARMUP + max(0, pairs_total - MAX_PAIRS) : WARMUP + pairs_total]
+        pairs_total = int(np.searchsorted(self.pairpos, i))
+        held = self.pairpos[max(0, pairs_total - MAX_PAIRS) : pairs_total]
+        first = max(0, pairs_total - MAX_PAIRS)
+        sets = self.pair_set[first:pairs_total]
+        per_set = {}
+        if self.split:
+            done_sets, done_ratios = self.pair_set[:pairs_total], self.pair_ratio[:pairs_total]
+            per_set = {int(q): done_ratios[done_sets == q][-MAX_SET_PAIRS:] for q in np.unique(done_sets)}
         classes = {c: [int(n[i - 1]), int(k[i - 1])] for c, (n, k) in self.classes.items() if n[i - 1] > 0}
         return Evidence(
             compared=compared, out_of_tolerance=int(self.c_oot[i - 1]), sent=i, errors=int(self.c_err[i - 1]),
             timeouts=0, aa_sent=m, paired_sent=m, **aa,
-            primary_s=st.primary[held], candidate_s=st.candidate[held], pair_class=st.cls[held],
+            primary_s=st.primary[held], candidate_s=st.candidate[held] * st.placement[sets], pair_class=st.cls[held],
+            pair_placement=sets if self.split else (), placement_ratios=per_set,
             pairs_total=pairs_total, blocks=self.blocks[: compared // BLOCK], classes=classes,
             expected_classes=expected, started=0.0,
         )  # fmt: skip
@@ -267,11 +315,17 @@ def run_one(sc: Scenario, seed: int, params: JudgeParams, aa_every: int) -> tupl
         expected["rare"] = sc.oot_rate  # the bad class is in the traffic the gate saw
     deadline_t = sc.deadline / sc.rate
     prefix = Prefix(st, aa_every)
+    prefix.reload((), split=params.placements > 1)
+    reloads: list[int] = []
     for i in range(look, sc.deadline + 1, look):
         now = i / sc.rate
         j = judge(prefix.evidence(i, expected), params, now=now, deadline=deadline_t)
         if j.final:
             return str(j.outcome), i, j.reasons[0]
+        # As the canary does on its tick: fresh instances for the next samples (sidecar.canary._new_placement).
+        if wants_placement(params, len(reloads), prefix.pairs_since(i), disagree(j.to_dict())):
+            reloads.append(i)
+            prefix.reload(reloads)
     return str(INCONCLUSIVE), sc.deadline, "deadline"
 
 
@@ -327,11 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aa-every", type=int, default=1,
                     help="every Nth sample also replayed to the baseline (1: shadow pairing, the default; 10: primary "
                          "pairing's default aa_rate)")  # fmt: skip
+    ap.add_argument("--placements", type=int, default=DEFAULTS.placements,
+                    help="sets of instances each latency verdict must hold on (the canary's `placements`)")  # fmt: skip
     ap.add_argument("--no-peer", action="store_true", help="skip the Mann-Whitney peer")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (seeds are independent)")
     args = ap.parse_args(argv)
-    params = DEFAULTS.judge_params()
+    params = dataclasses.replace(DEFAULTS.judge_params(), placements=args.placements)
     chosen = [s for s in SCENARIOS if not args.only or s.name in args.only]
     if not chosen:
         ap.error(f"no scenario named {args.only}; known: {', '.join(s.name for s in SCENARIOS)}")

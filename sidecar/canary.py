@@ -32,7 +32,7 @@ from sidecar.config import CanaryParams, ConfigError, SidecarConfig
 from sidecar.control import SHADOW_SUFFIX, ControlError, PromotionError, TritonControl, shadow_name
 from sidecar.decision import Decision
 from sidecar.faults import Blame, classify_answer, classify_exception
-from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, Outcome, judge
+from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, Outcome, disagree, judge, wants_placement
 from sidecar.memory import SAMPLE_INTERVAL_S, MemoryProbe, Reading
 from sidecar.metrics import SidecarMetrics, repository_models
 from sidecar.mirror import Comparison
@@ -143,7 +143,7 @@ class CanaryManager:
         HTTP form (sidecar.grpc_front). `presampled`: the compiled gRPC front (sidecar.grpc_native) has counted
         its latency and sampled it at the budget's rate already."""
         canary = self.canaries.get(model)
-        if canary is None or canary.pending is not None or canary.paused is not None:
+        if canary is None or canary.pending is not None or canary.paused is not None or canary.replacing:
             return None
         if not presampled:
             budget = canary.budget
@@ -260,8 +260,49 @@ class CanaryManager:
                 LOG.warning("reloading %s failed (retry in %gs): %s", shadow, SHADOW_RELOAD_RETRY_S, exc)
                 return False
         self._reload_after.pop(canary.id, None)
+        self._fresh_instances(canary)  # Triton's restart placed them anew
         self._unpause(canary)
         return True
+
+    async def _new_placement(self, canary: Canary) -> bool:
+        """From the judge tick: once the shadow's instances served `placement_pairs` pairs, load fresh ones (unload
+        and load the shadow) until `placements` sets of instances have, and again, up to MAX_PLACEMENTS, while the
+        judge finds the latency verdict open or not borne out by the sets, so that it is seen on other placements
+        (sidecar.judge). Sampling stops first and the pair out comes back; true while that is under way (the
+        canary is not judged on this tick)."""
+        p, ev, model = canary.params, canary.evidence, canary.model
+        if not canary.replacing:
+            if not wants_placement(
+                p.judge_params(), ev.placement, ev.placement_pairs(), disagree(canary.judgement)
+            ):
+                return False
+            canary.replacing = True  # admit() samples nothing from here
+        if len(canary.slots):
+            return True  # the pair out comes back first: its two copies ran on the same instances
+        async with self._locks[model]:
+            if self.canaries.get(model) is not canary or canary.pending is not None:
+                canary.replacing = False
+                return True
+            LOG.info("loading fresh instances of %s (versions %s) for canary %s after %d pairs on set %d",
+                     shadow_name(model), canary.shadow_versions(), canary.id, ev.placement_pairs(), ev.placement)  # fmt: skip
+            try:
+                await self.control.stop_shadow(model)
+                await self.control.start_shadow(model, canary.candidate, canary.shadow_baseline())
+            except ControlError as exc:
+                # The next tick finds the shadow missing: paused and reloaded, as after any loss of it.
+                LOG.warning("loading fresh instances of %s failed: %s", shadow_name(model), exc)
+            finally:
+                canary.replacing = False
+        self._fresh_instances(canary)
+        return True
+
+    def _fresh_instances(self, canary: Canary) -> None:
+        """New instances serve the shadow: the pairs that follow are a new placement's, after their own warm-up,
+        and Triton's compute counters start a new window."""
+        canary.evidence.new_placement(time.time())
+        canary.throughput_first = {}
+        self._throughput_due[canary.id] = time.monotonic() + max(canary.params.warmup_s, SAMPLE_INTERVAL_S)
+        self._dirty = True
 
     async def _semantics(self, model: str) -> ModelSemantics:
         """Sequence batching, decoupled policy and backend from the model's config.pbtxt (read once per canary)."""
@@ -490,6 +531,8 @@ class CanaryManager:
                     stats = (await loop.run_in_executor(None, call)).stats
                     await self.decide(model, self._paused_at_deadline(canary, stats), "sidecar")
                 continue
+            if await self._new_placement(canary):
+                continue
             self._budget_tick(canary)
             await self._sample_memory(canary)
             await self._sample_throughput(canary)
@@ -628,6 +671,7 @@ class CanaryManager:
                 ):
                     try:
                         await self.control.start_shadow(model, canary.candidate, canary.shadow_baseline())
+                        self._fresh_instances(canary)  # loaded again: a new placement
                     except ControlError as exc:
                         await self.decide(model, Judgement(PIN, (f"candidate could not be reloaded: {exc}",), {}),
                                           "sidecar")  # fmt: skip

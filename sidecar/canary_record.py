@@ -63,6 +63,9 @@ class Canary:
     # {"since", "reason", "blame"} while Triton is unavailable or the shadow is lost: nothing is mirrored,
     # counted or judged. Not persisted: a restarted sidecar checks Triton again (CanaryManager.resume).
     paused: dict[str, Any] | None = None
+    # True from the tick that decides to load fresh instances (sidecar.judge, placements) until they serve:
+    # nothing is sampled meanwhile. Not persisted: a restarted sidecar decides again.
+    replacing: bool = False
     # What the model's config says about mirroring (sidecar.semantics), read once at the start.
     semantics: ModelSemantics | None = None
     memory: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last memory sample's details
@@ -146,6 +149,8 @@ class Canary:
         ev = dict(d["evidence"])
         ev["latency_pairs"] = len(ev.pop("primary_s"))
         ev.pop("candidate_s")
+        ev.pop("pair_placement")
+        ev["placement_pairs_held"] = [len(r) for r in ev.pop("placement_ratios")]  # per set of instances
         d["evidence"] = ev
         d["in_flight"] = len(self.slots)
         d["paused"] = self.paused

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from sidecar.judge import JudgeParams
+from sidecar.judge import MAX_PLACEMENTS, MAX_SET_PAIRS, MIN_PLACEMENT_PAIRS, JudgeParams
 from tunegate import validate
 from tunegate.errors import InputError
 
@@ -65,6 +65,11 @@ class CanaryParams:
     # and the CPU have headroom, else the copy, sent after the client's answer, queues where the client's
     # request did not and an identical candidate looks slower).
     latency_pairing: str = "shadow"
+    # Sets of instances every latency verdict must hold on (shadow pairing): a process's placement can make one
+    # version's instance lastingly faster or slower than the other's. After `placement_pairs` pairs the
+    # canary loads fresh instances of both versions in the shadow model (sidecar.judge). 1: never reloaded.
+    placements: int = 2
+    placement_pairs: int = 200  # pairs a set of instances serves before fresh ones are loaded (50 to 1,000)
     min_duration_s: float = 30.0  # wall-clock coverage of traffic before a promotion
     min_class_samples: int = (
         10  # comparisons each request class of the gate's traffic needs before a promotion
@@ -129,6 +134,14 @@ class CanaryParams:
         d = self.min_duration_s
         if not isinstance(d, (int, float)) or isinstance(d, bool) or not math.isfinite(d) or d < 0:
             raise ConfigError(f"min_duration_s must be a non-negative number, got {d!r}")
+        pl = self.placements
+        if not isinstance(pl, int) or isinstance(pl, bool) or not 1 <= pl <= MAX_PLACEMENTS:
+            raise ConfigError(f"placements must be an integer within [1, {MAX_PLACEMENTS}], got {pl!r}")
+        pp = self.placement_pairs
+        if not isinstance(pp, int) or isinstance(pp, bool) or not MIN_PLACEMENT_PAIRS <= pp <= MAX_SET_PAIRS:
+            raise ConfigError(
+                f"placement_pairs must be an integer within [{MIN_PLACEMENT_PAIRS}, {MAX_SET_PAIRS}], got {pp!r}"
+            )
         non_negative = ("warmup_samples", "min_class_samples")
         for name in ("max_in_flight", "min_samples", "warmup_samples", "min_class_samples", "recent_window"):
             v = getattr(self, name)
@@ -149,6 +162,8 @@ class CanaryParams:
             recent_window=self.recent_window,
             max_memory_ratio=self.max_memory_ratio,
             min_throughput_ratio=self.min_throughput_ratio,
+            placements=self.placements if self.latency_pairing == "shadow" else 1,
+            placement_pairs=self.placement_pairs,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,6 +21,20 @@ is pinned at most that often in all), first hit wins:
 6. recent window: the p50 sign test and the out-of-tolerance rate over the most recent pairs and
    comparisons only, so a regression that starts late is not diluted by the early evidence.
 
+Placements: a process's placement (its cores, caches, memory) can make one version's instance lastingly
+faster or slower than the other's for a whole canary, which no number of pairs from those instances averages
+out. Each pair carries the index of the set of instances that served it; the canary loads fresh instances of
+both versions once a set served `placement_pairs` pairs, until `placements` sets have, and again (up to
+MAX_PLACEMENTS) while the latency verdict is open or the sets do not bear it out (sidecar.canary). With
+`placements` > 1, every latency verdict (the p50 pin and promotion, a class's pin, the tail's pin), shown at its
+confidence by all the pairs together, must also be what the sets of instances' own pairs say: at least
+`placements` sets with MIN_PLACEMENT_PAIRS pairs on its side of one half (their share of pairs beyond the
+limit), under half of them shown on the other at AGAINST_CONFIDENCE (for the p50, each set's own most recent
+pairs, `placement_ratios`). A set's pairs are a few hundred at most, too few for a bound of their own on a small
+effect: the sets vote, the pooled test carries the confidence, and an outlying placement is outvoted. The recent window's pin
+holds on each set of instances in the window, and where those are fewer than `placements`, only for a slowdown
+they did not show before it (a late regression, not their placement).
+
 Promotion needs `min_samples` comparisons over at least `min_duration_s`, every expected request class
 covered, and the upper bounds within their limits: out-of-tolerance and error rates (differences with
 the A/A rates, both uncertainties counted) and the p50 sign test below one half; it waits while a request
@@ -68,6 +82,11 @@ TAIL_FACTOR = 1.5  # a tail pair is beyond the limit times (or divided by) this
 # A promotion waits while an estimate that is not a pin test (a class's or the recent window's p50, the p95
 # ratio) shows the candidate beyond the limit at this confidence: sized to the noise, not to the point estimate.
 HOLD_CONFIDENCE = 0.9
+# A set of instances counts against a latency verdict when its own pairs show the other side at this confidence.
+AGAINST_CONFIDENCE = 0.75
+MIN_PLACEMENT_PAIRS = MIN_LATENCY_PAIRS  # pairs a set of instances needs for its verdict to count
+MAX_PLACEMENTS = 4  # sets of instances a canary loads at most (more when they contradict each other)
+MAX_SET_PAIRS = 1000  # ratios kept per set of instances for its own verdict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +106,8 @@ class JudgeParams:
     min_throughput_ratio: float = (
         0.8  # smallest candidate/baseline capacity ratio (both measured) before a pin
     )
+    placements: int = 1  # sets of instances each latency verdict must hold on (1: the pairs are not split)
+    placement_pairs: int = MIN_PIN_PAIRS  # pairs a set of instances serves before the canary loads fresh ones
 
     @property
     def max_ratio(self) -> float:
@@ -126,6 +147,9 @@ class Evidence:
     ] = ()  # paired latencies (the most recent ones held), same request on both versions
     candidate_s: Sequence[float] = ()
     pair_class: Sequence[str] = ()  # request class of each held pair ("" unknown)
+    pair_placement: Sequence[int] = ()  # the set of instances (0, 1, ...) each held pair ran on
+    # set of instances -> candidate/baseline latency ratios of its most recent pairs (MAX_SET_PAIRS)
+    placement_ratios: Mapping[int, Sequence[float]] = dataclasses.field(default_factory=dict)
     pairs_total: int = 0  # pairs ever recorded; 0 means len(primary_s)
     blocks: Sequence[int] = ()  # out-of-tolerance count of each completed block of BLOCK comparisons
     classes: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)  # class -> [compared, oot]
@@ -217,6 +241,22 @@ def difference_bounds(k: float, n: float, aa_k: float, aa_n: float, plus: float,
     return lower, upper
 
 
+def wants_placement(params: JudgeParams, current: int, pairs: int, disagree: bool) -> bool:
+    """Whether a canary loads fresh instances now: the current set (index `current`) served `placement_pairs`
+    `pairs`, and fewer than `placements` sets have, or (up to MAX_PLACEMENTS) the judge's last look found the
+    latency verdict open or not borne out by the sets (`disagree`)."""
+    if params.placements <= 1 or pairs < params.placement_pairs:
+        return False
+    sets = current + 1
+    return sets < params.placements or (disagree and sets < MAX_PLACEMENTS)
+
+
+def disagree(judgement: Mapping[str, Any] | None) -> bool:
+    """The `placements_disagree` flag of a judgement's latency figures (Judgement.to_dict())."""
+    latency = ((judgement or {}).get("stats") or {}).get("latency") or {}
+    return bool(latency.get("placements_disagree"))
+
+
 # -- the judge --------------------------------------------------------------------------------
 class _Look:
     """One look at the evidence: the checks, each adding to stats and to the pin or missing lists."""
@@ -237,6 +277,7 @@ class _Look:
         }
         self.aa_oot_bounds = self._aa_bounds(ev.aa_out_of_tolerance, ev.aa_compared)
         self._tail_arrays: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None
+        self.blocked = False  # the latency verdict is open, or held back by the sets of instances
 
     def tail_within(self) -> None:
         """The last promotion check (a bootstrap, the judge's costly step): a p95 ratio shown above the limit at
@@ -353,15 +394,98 @@ class _Look:
             "share_above_limit_upper": hi,
         }
         self.stats["latency"] = lat
+        places = self._places(n)
+        groups = self._set_groups()
+        if groups is not None:
+            lat["placements"] = {str(q): {"pairs": int(f.size), "share_above_limit": float(f.mean())}
+                                 for q, f in groups if f.size}  # fmt: skip
         if lo > 0.5 and self._persists(above):
-            self.pin.append(f"candidate is slower: p50 ratio {lat['p50_ratio']:.3f} > allowed {self.limit:.3f} "
-                            f"({s} of {n} pairs above it, share >= {lo:.1%})")  # fmt: skip
+            why = self._disagree(groups, True, MIN_PLACEMENT_PAIRS)
+            if why is None:
+                self.pin.append(f"candidate is slower: p50 ratio {lat['p50_ratio']:.3f} > allowed {self.limit:.3f} "
+                                f"({s} of {n} pairs above it, share >= {lo:.1%})")  # fmt: skip
+            else:
+                self.blocked = True
+                self.missing.append(f"p50 ratio {lat['p50_ratio']:.3f} above {self.limit:.3f}, not yet on enough "
+                                    f"sets of instances ({why})")  # fmt: skip
         elif hi >= 0.5:
+            self.blocked = True  # not decided either way: another set of instances helps as well
             self.missing.append(f"p50 ratio {lat['p50_ratio']:.3f} not shown within {self.limit:.3f} "
                                 f"({s} of {n} pairs above it, share <= {hi:.1%})")  # fmt: skip
-        self._latency_by_class(ratio, n)
+        else:
+            why = self._disagree(groups, False, MIN_PLACEMENT_PAIRS)
+            if why is not None:
+                self.blocked = True
+                self.missing.append(f"p50 ratio {lat['p50_ratio']:.3f} within {self.limit:.3f}, not yet on enough "
+                                    f"sets of instances ({why})")  # fmt: skip
+        self._latency_by_class(ratio, n, places)
         self._tail(prim, cand, lat)
-        self._recent(ratio, n)
+        self._recent(ratio, n, places)
+        if groups is not None:
+            # The latency verdict is open, or the sets of instances do not bear out what all the pairs show: the
+            # canary loads another set once the current one served `placement_pairs` (its placement may be
+            # what holds the verdict; a fresh one is independent of it).
+            lat["placements_disagree"] = self.blocked
+
+    def _places(self, n: int) -> npt.NDArray[np.int64] | None:
+        """The set of instances of each of the last `n` pairs, or None where verdicts are not split by them."""
+        if self.params.placements <= 1:
+            return None
+        pl = self.ev.pair_placement
+        if len(pl) < n:
+            return np.zeros(n, dtype=np.int64)
+        return np.asarray(pl[len(pl) - n :], dtype=np.int64)
+
+    def _set_groups(self) -> list[tuple[int, npt.NDArray[np.bool_]]] | None:
+        """Per set of instances, its most recent pairs above the limit (`placement_ratios`, kept per set so that
+        the first sets outlive the held pairs' window), or None where verdicts are not split by them."""
+        if self.params.placements <= 1:
+            return None
+        return [(int(q), np.asarray(r, dtype=np.float64) > self.limit)
+                for q, r in sorted(self.ev.placement_ratios.items())]  # fmt: skip
+
+    @staticmethod
+    def _split(flags: npt.NDArray[np.bool_],
+               places: npt.NDArray[np.int64] | None) -> list[tuple[int, npt.NDArray[np.bool_]]] | None:  # fmt: skip
+        return None if places is None else [(int(q), flags[places == q]) for q in np.unique(places)]
+
+    def _disagree(self, groups: list[tuple[int, npt.NDArray[np.bool_]]] | None, slower: bool, least: int,
+                  need: int | None = None) -> str | None:  # fmt: skip
+        """None where a latency verdict holds across the sets of instances with `least` pairs each (`groups`: per
+        set, its pairs beyond the limit): at least `need` (`placements`) of them on the verdict's side of one half
+        (`slower`: more than half of their pairs beyond the limit; else at most half), and under half of them
+        shown on the other side at AGAINST_CONFIDENCE. Otherwise, why not."""
+        if groups is None:
+            return None
+        sets = n_agree = n_against = 0
+        for _, f in groups:
+            if f.size < least:
+                continue
+            k = int(f.sum())
+            sets += 1
+            if slower:
+                n_agree += 2 * k > f.size
+                n_against += rate_upper(k, f.size, AGAINST_CONFIDENCE) < 0.5
+            else:
+                n_agree += 2 * k <= f.size
+                n_against += rate_lower(k, f.size, AGAINST_CONFIDENCE) > 0.5
+        agree, against = n_agree, n_against
+        need = self.params.placements if need is None else need
+        if agree >= need and 2 * against < sets:
+            return None
+        return (f"{agree} of {sets} sets with {least} pairs {'slower' if slower else 'not slower'}, "
+                f"{against} shown otherwise; {need} needed and under half otherwise")  # fmt: skip
+
+    def _far_groups(self) -> list[tuple[int, npt.NDArray[np.bool_]]] | None:
+        """Per set of instances, its far pairs (beyond the limit times or over TAIL_FACTOR): whether above."""
+        if self.params.placements <= 1:
+            return None
+        out = []
+        for q, r in sorted(self.ev.placement_ratios.items()):
+            a = np.asarray(r, dtype=np.float64)
+            far = (a > self.limit * TAIL_FACTOR) | (a < self.limit / TAIL_FACTOR)
+            out.append((int(q), a[far] > self.limit))
+        return out
 
     @staticmethod
     def _persists_tail(far_above: npt.NDArray[np.bool_]) -> bool:
@@ -377,7 +501,9 @@ class _Look:
         newer = flags[flags.size // 2 :]
         return rate_lower(int(newer.sum()), newer.size, HOLD_CONFIDENCE) > 0.5
 
-    def _latency_by_class(self, ratio: npt.NDArray[np.float64], n: int) -> None:
+    def _latency_by_class(
+        self, ratio: npt.NDArray[np.float64], n: int, places: npt.NDArray[np.int64] | None
+    ) -> None:
         labels = list(self.ev.pair_class[-n:]) if len(self.ev.pair_class) >= n else []
         if not labels:
             return
@@ -396,7 +522,17 @@ class _Look:
             per.setdefault(cls, {}).update(
                 pairs=int(r.size), p50_ratio=float(np.median(r)), share_above_lower=lo
             )
-            if lo > 0.5 and self._persists(r > self.limit, MIN_PIN_PAIRS // 4):
+            pinned = lo > 0.5 and self._persists(r > self.limit, MIN_PIN_PAIRS // 4)
+            if pinned and places is not None:
+                # Held pairs only: where older sets of instances left the window, the ones still in it.
+                split = self._split(r > self.limit, places[arr == cls])
+                least = MIN_PLACEMENT_PAIRS // 2
+                need = self.params.placements
+                if len(np.unique(places)) < len(self.ev.placement_ratios):
+                    need = max(1, min(need, sum(1 for _, f in split or () if f.size >= least)))
+                if self._disagree(split, True, least, need) is not None:
+                    pinned, self.blocked = False, True
+            if pinned:
                 self.pin.append(f"candidate is slower on request class {cls}: p50 ratio {np.median(r):.3f} > "
                                 f"allowed {self.limit:.3f} ({s} of {r.size} pairs above it)")  # fmt: skip
             elif s / r.size > 0.5 and rate_lower(s, r.size, HOLD_CONFIDENCE) > 0.5:
@@ -422,12 +558,15 @@ class _Look:
         lo = rate_lower(up, up + down, self.params.pin_confidence) if up > down else 0.0
         lat.update(p95_ratio=point, tail_pairs_above=up, tail_pairs_below=down, tail_share_lower=lo)
         far = ratio[(ratio > self.limit * TAIL_FACTOR) | (ratio < self.limit / TAIL_FACTOR)] > self.limit
-        if (
+        pinned = (
             up >= MIN_FAIL_FAST_EVENTS
             and lo > 0.5
             and ratio.size >= MIN_PIN_PAIRS
             and self._persists_tail(far)
-        ):
+        )
+        if pinned and self._disagree(self._far_groups(), True, MIN_FAIL_FAST_EVENTS) is not None:
+            pinned, self.blocked = False, True
+        if pinned:
             self.pin.append(f"candidate is slower in the tail: {up} pairs above {self.limit * TAIL_FACTOR:.2f}x "
                             f"against {down} below {self.limit / TAIL_FACTOR:.2f}x (p95 ratio {point:.3f})"
                             + self._tail_class(ratio))  # fmt: skip
@@ -461,7 +600,7 @@ class _Look:
             return ""
         return f"; most of the excess in request class {cls} ({most} of {total})"
 
-    def _recent(self, ratio: npt.NDArray[np.float64], n: int) -> None:
+    def _recent(self, ratio: npt.NDArray[np.float64], n: int, places: npt.NDArray[np.int64] | None) -> None:
         w = self.params.recent_window
         total = self.ev.pairs_total or n
         step = max(1, w // 2)
@@ -481,13 +620,38 @@ class _Look:
             "p50_ratio": float(np.median(window)),
             "share_above_lower": lo,
         }
-        if lo > 0.5 and self._persists(window > self.limit):
+        held = self._recent_holds(ratio > self.limit, places, end - w, end)
+        if lo > 0.5 and self._persists(window > self.limit) and held:
             self.pin.append(f"candidate became slower: p50 ratio {np.median(window):.3f} over the last {w} pairs "
                             f"> allowed {self.limit:.3f}")  # fmt: skip
         elif s / w > 0.5 and rate_lower(s, w, HOLD_CONFIDENCE) > 0.5:
             self.missing.append(
                 f"the last {w} pairs' p50 ratio {np.median(window):.3f} is above {self.limit:.3f}"
             )
+
+    def _recent_holds(self, above: npt.NDArray[np.bool_], places: npt.NDArray[np.int64] | None, start: int,
+                      end: int) -> bool:  # fmt: skip
+        """The recent window's slowdown on its sets of instances: on each with MIN_PLACEMENT_PAIRS pairs, and on
+        `placements` of them; where fewer are in the window, on instances that were shown not slower before it
+        (a regression that began there, not their placement)."""
+        if places is None:
+            return True
+        w, wp = above[start:end], places[start:end]
+        present = [int(q) for q in np.unique(wp) if (wp == q).sum() >= MIN_PLACEMENT_PAIRS]
+        if not present:
+            return False
+        for q in present:
+            f = w[wp == q]
+            if rate_lower(int(f.sum()), f.size, HOLD_CONFIDENCE) <= 0.5:
+                return False
+        if len(present) >= self.params.placements:
+            return True
+        before, bp = above[:start], places[:start]
+        for q in present:
+            b = before[bp == q]
+            if b.size < MIN_PLACEMENT_PAIRS or rate_upper(int(b.sum()), b.size, HOLD_CONFIDENCE) >= 0.5:
+                return False
+        return True
 
     def recent_outputs(self) -> None:
         ev, p = self.ev, self.params

@@ -153,7 +153,7 @@ class MirrorJob:
             isinstance(base, tuple) and base[0].status == 200
         )  # the baseline's failures are not evidence
         # Warm-up by count and by time: a freshly loaded model's first answers are slow for reasons of its own.
-        if ev.compared > c.params.warmup_samples and time.time() - c.started >= c.params.warmup_s:
+        if ev.warm(c.started, c.params.warmup_samples, c.params.warmup_s, time.time()):
             if c.params.latency_pairing != "shadow":
                 # A gRPC client's latency and the candidate's HTTP replay are not a pair: outputs only.
                 if self.protocol == "http":

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from sidecar.judge import BLOCK, Evidence
+from sidecar.judge import BLOCK, MAX_SET_PAIRS, Evidence
 from tunegate.errors import ServiceError
 from tunegate.records import JsonlLog, atomic_write_bytes, atomic_write_json
 
@@ -57,7 +57,15 @@ class EvidenceCounter:
     primary_s: list[float] = dataclasses.field(default_factory=list)
     candidate_s: list[float] = dataclasses.field(default_factory=list)
     pair_class: list[str] = dataclasses.field(default_factory=list)
+    pair_placement: list[int] = dataclasses.field(default_factory=list)  # the set of instances of each pair
+    # per set of instances (by index), the latency ratios of its most recent pairs (sidecar.judge.MAX_SET_PAIRS)
+    placement_ratios: list[list[float]] = dataclasses.field(default_factory=list)
     pairs_total: int = 0
+    # The set of instances the shadow serves now (0, 1, ...: sidecar.judge, placements), since when (wall
+    # clock) and how many comparisons there were then: its warm-up counts from there.
+    placement: int = 0
+    placement_since: float | None = None
+    placement_compared: int = 0
     blocks: list[int] = dataclasses.field(
         default_factory=list
     )  # out-of-tolerance count per BLOCK comparisons
@@ -85,6 +93,13 @@ class EvidenceCounter:
         self.primary_s.append(primary_s)
         self.candidate_s.append(candidate_s)
         self.pair_class.append(request_class)
+        self.pair_placement.append(self.placement)
+        while len(self.placement_ratios) <= self.placement:
+            self.placement_ratios.append([])
+        ratios = self.placement_ratios[self.placement]
+        ratios.append(candidate_s / primary_s if primary_s > 0 else 1.0)
+        if len(ratios) >= 2 * MAX_SET_PAIRS:
+            del ratios[:-MAX_SET_PAIRS]
         self.pairs_total += 1
         if len(self.primary_s) >= 2 * MAX_LATENCY_PAIRS:
             self._trim()
@@ -116,6 +131,23 @@ class EvidenceCounter:
             del self.primary_s[:excess]
             del self.candidate_s[:excess]
             del self.pair_class[: max(0, len(self.pair_class) - MAX_LATENCY_PAIRS)]
+            del self.pair_placement[: max(0, len(self.pair_placement) - MAX_LATENCY_PAIRS)]
+
+    def new_placement(self, now: float) -> None:
+        """Fresh instances serve from now on: the pairs that follow are theirs, after their own warm-up."""
+        self.placement += 1
+        self.placement_since, self.placement_compared = now, self.compared
+
+    def placement_pairs(self) -> int:
+        """Pairs of the current set of instances (up to MAX_SET_PAIRS: `placement_pairs` is at most that)."""
+        return (
+            len(self.placement_ratios[self.placement]) if self.placement < len(self.placement_ratios) else 0
+        )
+
+    def warm(self, started: float, warmup_samples: int, warmup_s: float, now: float) -> bool:
+        """Past the warm-up of the current instances, by count and by time: latency pairs count from here."""
+        since = max(started, self.placement_since or started)
+        return self.compared - self.placement_compared > warmup_samples and now - since >= warmup_s
 
     def add_exemplar(self, exemplar: dict[str, Any]) -> None:
         if len(self.exemplars) < MAX_EXEMPLARS:
@@ -128,6 +160,9 @@ class EvidenceCounter:
             v = getattr(self, f.name)
             values[f.name] = tuple(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
         values["classes"] = {k: tuple(v) for k, v in self.classes.items()}
+        values["placement_ratios"] = {
+            q: tuple(r[-MAX_SET_PAIRS:]) for q, r in enumerate(self.placement_ratios) if r
+        }
         return Evidence(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,6 +173,7 @@ class EvidenceCounter:
             v = getattr(self, f.name)
             d[f.name] = list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
         d["classes"] = {k: list(v) for k, v in self.classes.items()}
+        d["placement_ratios"] = [list(r[-MAX_SET_PAIRS:]) for r in self.placement_ratios]
         return d
 
     @classmethod
@@ -146,6 +182,8 @@ class EvidenceCounter:
         ev = cls(**{k: v for k, v in raw.items() if k in known})
         if len(ev.pair_class) != len(ev.primary_s):  # a state file written before classes were kept
             ev.pair_class = [""] * len(ev.primary_s)
+        if len(ev.pair_placement) != len(ev.primary_s):  # or placements
+            ev.pair_placement = [0] * len(ev.primary_s)
         return ev
 
 

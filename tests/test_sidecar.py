@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.app import RunningSidecar, start
 from sidecar.config import CanaryParams, SidecarConfig
 from sidecar.control import shadow_name
+from sidecar.memory import scan_stubs
 from tests.sidecar_models import FAST_PARAMS, TOKEN, add_model, infer_body
 from tunegate import codec
 from tunegate.capture import load_capture
@@ -175,10 +176,27 @@ async def test_good_candidate_is_promoted(sidecar: Sidecar, client: aiohttp.Clie
     # During the canary a client that bypasses the sidecar still gets the baseline.
     assert await direct_version(client, triton, "good") == "1"
     assert (repo / shadow_name("good") / "2").resolve() == (repo / "good" / "2").resolve()
-    seen = await drive(client, sidecar.url, "good")
+    stubs: dict[int, set[int]] = {}  # set of instances -> the shadow's stub processes seen while it served
+
+    async def watch_stubs() -> None:
+        while True:
+            async with client.get(f"{sidecar.url}/canary/good", headers=AUTH) as r:
+                st = await r.json()
+            if st.get("canary") is None or st["state"] in ("promoted", "pinned"):
+                return
+            pids = {s.pid for s in scan_stubs() if s.model == shadow_name("good")}
+            stubs.setdefault(st["canary"]["evidence"]["placement"], set()).update(pids)
+            await asyncio.sleep(0.2)
+
+    seen, _ = await asyncio.gather(drive(client, sidecar.url, "good"), watch_stubs())
     assert set(seen["codes"]) == {200}
     [rec] = decisions(sidecar)
     assert rec["outcome"] == "promote", rec["reasons"]
+    # The latency verdict held on two sets of instances: after `placement_pairs` pairs the shadow was loaded
+    # afresh, with new processes (placement), and the pairs that followed are the second set's.
+    sets = rec["evidence"]["latency"]["placements"]
+    assert set(sets) == {"0", "1"} and all(s["pairs"] >= 50 for s in sets.values()), sets
+    assert stubs.get(1, set()) - stubs.get(0, set()), stubs
     assert rec["evidence"]["compared"] >= FAST_PARAMS["min_samples"] and rec["evidence"]["aa_compared"] > 0
     assert parse_version_policy((repo / "good" / "config.pbtxt").read_text()) == (2,)
     assert await direct_version(client, triton, "good") == "2"

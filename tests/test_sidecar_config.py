@@ -64,6 +64,15 @@ def test_canary_params_from_request_body() -> None:
     for bad in ({"max_in_flight": 0}, {"confidence": 1.0}, {"timeout_s": "5"}, {"aa_rate": 2}):
         with pytest.raises(ConfigError):
             CanaryParams.from_dict(bad)
+    # Sets of instances for the latency verdict: shadow pairing only (primary pairing never reloads the live model).
+    assert (
+        CanaryParams().judge_params().placements == 2 and CanaryParams().judge_params().placement_pairs == 200
+    )
+    assert CanaryParams(latency_pairing="primary").judge_params().placements == 1
+    for bad in ({"placements": 0}, {"placements": 5}, {"placements": 2.0}, {"placement_pairs": 49},
+                {"placement_pairs": 1001}):  # fmt: skip
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            CanaryParams.from_dict(bad)
 
 
 def test_cli_exits_2_on_bad_config(tmp_path: Path) -> None:
