@@ -216,7 +216,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
             run = LiveRun(prometheus=prom, triton=triton, start=time.time())
             with Traffic(sidecar.url, grpc_address=sidecar.grpc_address) as traffic:
                 # A: a good candidate under canary (no judge decision in this phase), promoted by an operator.
-                admin.start(MODEL, 2, TOLERANCE, min_samples=100000, deadline_s=600, aa_rate=0.5)
+                # One set of instances: a shadow loaded afresh restarts the capacity window this phase waits for.
+                admin.start(
+                    MODEL, 2, TOLERANCE, min_samples=100000, deadline_s=600, aa_rate=0.5, placements=1
+                )
                 compared = f'sum(tunegate_comparisons_total{{model="{MODEL}", role="candidate"}})'
                 wait_for("candidate comparisons in Prometheus", lambda: run.value(compared) >= 100, 90)
                 # The latency panel's rate needs candidate requests over two scrapes: since the fast client

@@ -19,7 +19,10 @@ TOKEN = "test-admin-token-0123456789"
 # Small canaries for tests: the statistics still decide, on fewer samples.
 FAST_PARAMS = {"min_samples": 60, "oot_budget": 0.05, "error_budget": 0.05, "confidence": 0.95,
                "latency_slack": 0.5, "deadline_s": 60, "aa_rate": 0.2,
-               "max_in_flight": 4, "placement_pairs": 50, "warmup_s": 3.0}  # fmt: skip
+               "max_in_flight": 4, "placements": 1}  # fmt: skip
+# Fast canaries whose latency verdict is asked of two sets of instances (the default), the first loaded afresh
+# after 50 pairs: the tests of placements themselves.
+PLACED_PARAMS = {**FAST_PARAMS, "placements": 2, "placement_pairs": 50, "warmup_s": 3.0}
 
 
 def canary_cli(url: str, token_file: Path) -> list[str]:
