@@ -48,6 +48,10 @@ from tunegate.tolerance import ToleranceError, ToleranceSpec
 LOG = logging.getLogger(__name__)
 KNOWN_MODELS_S = 10.0  # the repository's models are listed again this often (a new model's series: within it)
 SHADOW_RELOAD_RETRY_S = 5.0  # a paused canary's shadow that failed to reload is tried again this much later
+# The judge tick's readiness probes wait this long for an answer. A Triton saturated by client traffic answers
+# /v2/health/ready late (seconds on two busy cores, behind the inference requests on its HTTP threads), and
+# is serving, not down: the canary goes on. A stopped server refuses at once and pauses the canary at once.
+TRITON_PROBE_S = 8.0
 
 
 class CanaryManager:
@@ -237,11 +241,12 @@ class CanaryManager:
         """From the judge tick: whether `canary` can be judged now. Pauses it while Triton does not serve the
         baseline, reloads the shadow (as `resume` does) when Triton is back without it, and unpauses it."""
         model = canary.model
-        if not await self.control.serving(model, canary.baseline):
+        if not await self.control.serving(model, canary.baseline, timeout_s=TRITON_PROBE_S):
             self._pause(canary, Blame.TRITON, f"no answer from {self.control.base}/v2/health/ready")
             return False
         shadow = shadow_name(model)
-        if all([await self.control.ready(shadow, v, timeout_s=2.0) for v in canary.shadow_versions()]):
+        versions = canary.shadow_versions()
+        if all(await asyncio.gather(*(self.control.ready(shadow, v, TRITON_PROBE_S) for v in versions))):
             self._unpause(canary)
             return True
         self._pause(canary, Blame.SHADOW, "Triton serves, the shadow is not loaded")
@@ -663,7 +668,7 @@ class CanaryManager:
                 self._register(canary)
                 if canary.pending is not None:
                     await self._complete(canary)
-                elif not await self.control.serving(model, canary.baseline):
+                elif not await self.control.serving(model, canary.baseline, timeout_s=TRITON_PROBE_S):
                     # Triton is down too: not the candidate's fault. Paused; the judge tick reloads the shadow
                     self._pause(canary, Blame.TRITON, f"no answer from {self.control.base}/v2/health/ready")
                 elif not all(

@@ -268,8 +268,12 @@ class TritonControl:
 
         `/v2/health/ready` first; under strict readiness one model that failed to load (say, a broken
         candidate) turns it 400 for good, so a server that says not ready but has the version ready serves.
+        Both are asked at once: a server slow to answer costs `timeout_s` once, not twice.
         """
-        return await self.server_ready(timeout_s) or await self.ready(model, version, timeout_s)
+        server, version_ready = await asyncio.gather(
+            self.server_ready(timeout_s), self.ready(model, version, timeout_s)
+        )
+        return server or version_ready
 
     # -- canary lifecycle ----------------------------------------------------------------------
     async def start_shadow(self, model: str, candidate: int, baseline: int | None = None) -> None:

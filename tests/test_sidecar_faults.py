@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from sidecar.app import RunningSidecar, start
@@ -106,8 +107,8 @@ class Harness:
         self.registry = CollectorRegistry()
         self.url = ""
 
-    async def start_sidecar(self, state_dir: Path) -> None:
-        cfg = SidecarConfig(upstream=self.triton.http_url, state_dir=state_dir, repository=self.repo, listen_port=0,
+    async def start_sidecar(self, state_dir: Path, upstream: str | None = None) -> None:
+        cfg = SidecarConfig(upstream=upstream or self.triton.http_url, state_dir=state_dir, repository=self.repo, listen_port=0,
                             admin_token=TOKEN, judge_interval_s=1.0, canary=CanaryParams())  # fmt: skip
         self.running = await start(cfg, self.registry)
         self.url = f"http://127.0.0.1:{self.running.port}"
@@ -132,6 +133,49 @@ class Harness:
         if self.running is not None:
             await self.running.close()
         self.triton.stop()
+
+
+class LateProbes:
+    """A fake at the seam between the sidecar and Triton, named as such: an HTTP relay to the real Triton that holds
+    back the answers to readiness probes (`.../ready`) by `delay_s`, as a Triton saturated by clients does.
+    Everything else (inference, statistics, repository control) is relayed as it comes."""
+
+    HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
+
+    def __init__(self, target: str) -> None:
+        self.target, self.delay_s, self.probes = target, 0.0, 0
+        self.session: aiohttp.ClientSession | None = None
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(auto_decompress=False)
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self.relay)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def relay(self, request: web.Request) -> web.StreamResponse:
+        assert self.session is not None
+        if request.path.endswith("/ready"):
+            self.probes += 1
+            await asyncio.sleep(self.delay_s)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in self.HOP}
+        async with self.session.request(request.method, f"{self.target}{request.path_qs}", headers=headers,
+                                        data=await request.read()) as r:  # fmt: skip
+            body = await r.read()
+            out = {k: v for k, v in r.headers.items() if k.lower() not in self.HOP}
+            return web.Response(status=r.status, body=body, headers=out)
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.session is not None:
+            await self.session.close()
 
 
 @pytest.fixture
@@ -273,6 +317,59 @@ async def test_triton_killed_and_restarted_pauses_reloads_and_resumes(tmp_path: 
         assert not (tmp_path / "state" / "decisions.jsonl").exists()
     finally:
         await h.close()
+
+
+@pytest.mark.triton
+async def test_a_triton_slow_to_answer_its_probes_is_serving_not_down(
+    tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """Readiness probes answered 3 s late (a Triton busy with clients) neither pause the canary nor load its shadow
+    anew; probes that get no answer at all (a hung Triton) still pause it, and it resumes when they are answered."""
+    repo = tmp_path / "repo"
+    add_model(repo, "lp", {2: {}})
+    h = Harness(repo, ("lp",), tmp_path)
+    relay = LateProbes(h.triton.http_url)
+    try:
+        await relay.start()
+        await h.start_sidecar(tmp_path / "state", upstream=relay.url)
+        await start_canary(client, h, "lp", min_samples=10**6, warmup_samples=10**6, deadline_s=600)
+        async with load(client, h.url, "lp") as codes:
+
+            async def evidence(n: int) -> bool:
+                return int((await status(client, h, "lp"))["canary"]["evidence"]["compared"]) >= n
+
+            await wait_for("evidence", lambda: evidence(20), 30)
+            placement = (await status(client, h, "lp"))["canary"]["evidence"]["placement"]
+            relay.delay_s, probes = 3.0, relay.probes
+            late_until = time.monotonic() + 12.0
+            while time.monotonic() < late_until:  # several judge ticks, each probe answered after 3 s
+                c = (await status(client, h, "lp"))["canary"]
+                assert c["paused"] is None, c["paused"]
+                await asyncio.sleep(0.2)
+            assert relay.probes >= probes + 2  # the tick did probe, late answers and all
+            c = (await status(client, h, "lp"))["canary"]
+            assert c["evidence"]["placement"] == placement  # the shadow was not loaded anew
+            assert h.metric("tunegate_canary_paused", model="lp") == 0
+
+            relay.delay_s = 60.0  # no answer within the probe's wait: Triton is taken for down
+
+            async def paused() -> bool:
+                p = (await status(client, h, "lp"))["canary"]["paused"]
+                return p is not None and "Triton is unavailable" in p["reason"]
+
+            await wait_for("the pause", paused, 30)
+            relay.delay_s = 0.0
+
+            async def resumed() -> bool:
+                return (await status(client, h, "lp"))["canary"]["paused"] is None
+
+            await wait_for("the resumption", resumed, 90)  # the probes held back 60 s answer first
+        assert set(codes) == {200}
+        st = await status(client, h, "lp")
+        assert st["state"] == "running" and st["canary"]["evidence"]["errors"] == 0, st
+    finally:
+        await h.close()
+        await relay.close()
 
 
 @pytest.mark.triton
