@@ -133,6 +133,11 @@ async def run_canary(client: aiohttp.ClientSession, sidecar_url: str, model: str
         "samples": ev["compared"],
         "latency_pairs": lat.get("pairs", 0),
         "p50_ratio": lat.get("p50_ratio"),
+        # the sets of instances the pairs ran on (placements), each set's pairs and share above the limit
+        "sets": {
+            q: [f["pairs"], round(f["share_above_limit"], 3)]
+            for q, f in (lat.get("placements") or {}).items()
+        },
         "throughput_ratio": (ev.get("throughput") or {}).get("ratio"),
         "seconds": rec["at"] - rec["started"],
         "client_requests": len(latencies),
@@ -161,6 +166,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 # identical: a pin or no decision is a false pin; slower: the pin rate itself
                 "pin_rate": (counts["pinned"] + counts["inconclusive"]) / n,
                 "median_samples": statistics.median(r["samples"] for r in rs),
+                "median_sets": statistics.median(len(r["sets"]) or 1 for r in rs),
+                "max_sets": max(len(r["sets"]) or 1 for r in rs),
                 "median_seconds": statistics.median(r["seconds"] for r in rs),
                 "median_p50_ratio": statistics.median(
                     [r["p50_ratio"] for r in rs if r["p50_ratio"]] or [float("nan")]
@@ -180,14 +187,15 @@ def print_table(summary: dict[str, Any], calibration: dict[str, float]) -> None:
     c = calibration
     print(f"direct p50 without load: baseline {c['baseline_p50_ms']:.2f} ms ({c['baseline_work']} iterations of work; "
           f"{c['no_work_p50_ms']:.2f} ms without), slower candidate {c['slower_work']} iterations")  # fmt: skip
-    head = ("mode", "candidate", "n", "promoted", "pinned", "inconcl.", "pin rate", "med samples", "med s",
+    head = ("mode", "candidate", "n", "promoted", "pinned", "inconcl.", "pin rate", "med samples", "sets med/max", "med s",
             "med p50 ratio", "med capacity ratio", "client p50 ms", "client p99 ms")  # fmt: skip
     print(" | ".join(head))
     for mode, per in summary.items():
         for kind, s in per.items():
             label = "false pin" if kind == "identical" else "pin"
             print(" | ".join([mode, kind, str(s["canaries"]), str(s["promoted"]), str(s["pinned"]), str(s["inconclusive"]),
-                              f"{label} {s['pin_rate']:.0%}", f"{s['median_samples']:.0f}", f"{s['median_seconds']:.1f}",
+                              f"{label} {s['pin_rate']:.0%}", f"{s['median_samples']:.0f}",
+                              f"{s['median_sets']:g}/{s['max_sets']}", f"{s['median_seconds']:.1f}",
                               f"{s['median_p50_ratio']:.3f}", f"{s['median_throughput_ratio']:.3f}",
                               f"{s['client_p50_ms']:.2f}", f"{s['client_p99_ms']:.2f}"]))  # fmt: skip
 

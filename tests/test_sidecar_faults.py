@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from sidecar.app import RunningSidecar, start
+from sidecar.canary import TRITON_PROBE_S
 from sidecar.config import CanaryParams, SidecarConfig
 from sidecar.control import shadow_name
 from sidecar.faults import Blame, classify_answer, classify_exception
@@ -351,7 +352,9 @@ async def test_a_triton_slow_to_answer_its_probes_is_serving_not_down(
             assert c["evidence"]["placement"] == placement  # the shadow was not loaded anew
             assert h.metric("tunegate_canary_paused", model="lp") == 0
 
-            relay.delay_s = 60.0  # no answer within the probe's wait: Triton is taken for down
+            relay.delay_s = (
+                TRITON_PROBE_S + 2.0
+            )  # no answer within the probe's wait: Triton is taken for down
 
             async def paused() -> bool:
                 p = (await status(client, h, "lp"))["canary"]["paused"]
@@ -363,7 +366,7 @@ async def test_a_triton_slow_to_answer_its_probes_is_serving_not_down(
             async def resumed() -> bool:
                 return (await status(client, h, "lp"))["canary"]["paused"] is None
 
-            await wait_for("the resumption", resumed, 90)  # the probes held back 60 s answer first
+            await wait_for("the resumption", resumed, 60)
         assert set(codes) == {200}
         st = await status(client, h, "lp")
         assert st["state"] == "running" and st["canary"]["evidence"]["errors"] == 0, st
