@@ -50,7 +50,7 @@ KNOWN_MODELS_S = 10.0  # the repository's models are listed again this often (a 
 SHADOW_RELOAD_RETRY_S = 5.0  # a paused canary's shadow that failed to reload is tried again this much later
 # The judge tick's readiness probes wait this long for an answer. A Triton saturated by client traffic answers
 # /v2/health/ready late (seconds on two busy cores, behind the inference requests on its HTTP threads), and
-# is serving, not down: the canary goes on. A stopped server refuses at once and pauses the canary at once.
+# is serving, not down: the canary goes on. A server that is down refuses at once and pauses the canary at once.
 TRITON_PROBE_S = 8.0
 
 

@@ -266,9 +266,9 @@ class TritonControl:
     async def serving(self, model: str, version: int, timeout_s: float = 2.0) -> bool:
         """Whether Triton is up and serving `model` `version`.
 
-        `/v2/health/ready` first; under strict readiness one model that failed to load (say, a broken
-        candidate) turns it 400 for good, so a server that says not ready but has the version ready serves.
-        Both are asked at once: a server slow to answer costs `timeout_s` once, not twice.
+        `/v2/health/ready`, or the version's own readiness: under strict readiness one model that failed to load
+        (say, a broken candidate) turns the first 400 for good, so a server that says not ready but has the
+        version ready serves. Both are asked at once: a server slow to answer costs `timeout_s` once, not twice.
         """
         server, version_ready = await asyncio.gather(
             self.server_ready(timeout_s), self.ready(model, version, timeout_s)

@@ -145,12 +145,12 @@ class LateProbes:
 
     def __init__(self, target: str) -> None:
         self.target, self.delay_s, self.probes = target, 0.0, 0
-        self.session: aiohttp.ClientSession | None = None
+        self.http: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
         self.url = ""
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(auto_decompress=False)
+        self.http = aiohttp.ClientSession(auto_decompress=False)
         app = web.Application(client_max_size=64 << 20)
         app.router.add_route("*", "/{tail:.*}", self.relay)
         self.runner = web.AppRunner(app, access_log=None)
@@ -161,12 +161,12 @@ class LateProbes:
         self.url = f"http://127.0.0.1:{port}"
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
-        assert self.session is not None
+        assert self.http is not None
         if request.path.endswith("/ready"):
             self.probes += 1
             await asyncio.sleep(self.delay_s)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in self.HOP}
-        async with self.session.request(request.method, f"{self.target}{request.path_qs}", headers=headers,
+        async with self.http.request(request.method, f"{self.target}{request.path_qs}", headers=headers,
                                         data=await request.read()) as r:  # fmt: skip
             body = await r.read()
             out = {k: v for k, v in r.headers.items() if k.lower() not in self.HOP}
@@ -175,8 +175,8 @@ class LateProbes:
     async def close(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
-        if self.session is not None:
-            await self.session.close()
+        if self.http is not None:
+            await self.http.close()
 
 
 @pytest.fixture
