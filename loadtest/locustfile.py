@@ -6,7 +6,8 @@
 Options (each also from the environment): --capture (TUNEGATE_CAPTURE), --replay-mode exact|synth,
 --profile fixed|capture (capture: follow the capture's arrival rate, time-scaled by --time-scale),
 --rate (total req/s in fixed mode; 0 = as fast as the users go), --per-user-rate (req/s one user sends in
-capture mode), --name-by model|batch|shape, --replay-duration (seconds; 0 = the capture's length in capture mode).
+capture mode), --name-by model|batch|shape, --replay-duration (seconds; 0 = the capture's length in capture mode),
+--stop-file (once this file exists the replay ends as if its duration were over: users stop, stats are kept).
 With TUNEGATE_PROTOCOL=grpc the same payloads go out as gRPC ModelInfer calls (--host HOST:PORT of a gRPC front).
 """
 
@@ -53,6 +54,7 @@ def _options(parser: Any) -> None:
     )
     parser.add_argument("--replay-duration", type=float, env_var="TUNEGATE_REPLAY_DURATION", default=0.0)
     parser.add_argument("--replay-seed", type=int, env_var="TUNEGATE_REPLAY_SEED", default=0)
+    parser.add_argument("--stop-file", type=str, env_var="TUNEGATE_STOP_FILE", default="")
 
 
 class _Replay:
@@ -181,6 +183,8 @@ class ReplayShape(LoadTestShape):
             raise RuntimeError(
                 "ReplayShape needs a Locust runner started with the replay's command-line options"
             )
+        if opts.stop_file and os.path.exists(opts.stop_file):
+            return None  # asked to stop: the run ends as at its duration, through Locust's own stop
         t = self.get_run_time()  # type: ignore[no-untyped-call]  # unannotated in locust
         if opts.profile == "capture":
             profile = REPLAY["state"].profile

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from typing import Any
 from tunegate.errors import ServiceError
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
+STOP_TIMEOUT_S = 10  # Locust's --stop-timeout: how long users get to finish a request in flight at the end
 
 
 class LoadTestError(ServiceError):
@@ -91,14 +91,15 @@ class LoadResult:
         }
 
 
-def command(opts: LoadOptions, csv_prefix: Path) -> list[str]:
+def command(opts: LoadOptions, csv_prefix: Path, stop_file: Path | None = None) -> list[str]:
     return [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
         "--host", opts.host, "--users", str(opts.users), "--spawn-rate", str(opts.spawn_rate),
         "--capture", str(opts.capture), "--replay-mode", opts.mode, "--profile", opts.profile,
         "--time-scale", str(opts.time_scale), "--rate", str(opts.rate), "--per-user-rate", str(opts.per_user_rate),
         "--name-by", opts.name_by, "--replay-duration", str(opts.duration_s), "--replay-seed", str(opts.seed),
-        "--csv", str(csv_prefix), "--exit-code-on-error", "0", "--loglevel", "WARNING", "--stop-timeout", "10",
+        "--csv", str(csv_prefix), "--exit-code-on-error", "0", "--loglevel", "WARNING", "--stop-timeout",
+        str(STOP_TIMEOUT_S), *(["--stop-file", str(stop_file)] if stop_file is not None else []),
     ]  # fmt: skip
 
 
@@ -136,29 +137,33 @@ def read_stats(csv_prefix: Path) -> tuple[NameStats, dict[str, NameStats]]:
 def run(opts: LoadOptions, progress: Any = None) -> LoadResult:
     """Run Locust headless; `progress(elapsed_s)` is called about twice a second.
 
-    When `progress` returns True, Locust is asked to stop now (SIGINT, as Ctrl-C: it stops its users and
-    still writes its stats), e.g. once a canary has decided.
+    When `progress` returns True (e.g. once a canary has decided) the replay is asked to end now: a stop file
+    the replay's load shape reads each second ends it as its duration would, so Locust stops its users and
+    writes its stats. No signal is sent: Ctrl-C's KeyboardInterrupt lands in whichever greenlet (or import)
+    runs at that moment, and Locust then exits with 1 or 2, or dies, and the run looks failed.
     """
     workdir = Path(tempfile.mkdtemp(prefix="tunegate-locust-"))
     prefix = opts.csv_prefix or workdir / "locust"
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     log = workdir / "locust.log"
+    stop_file = workdir / "stop"
     t0 = time.monotonic()
     with open(log, "wb") as logf:
         proc = subprocess.Popen(
-            command(opts, Path(prefix)), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "TUNEGATE_PROTOCOL": opts.protocol},
+            command(opts, Path(prefix), stop_file), stdout=logf, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env={**os.environ, "TUNEGATE_PROTOCOL": opts.protocol},
         )  # fmt: skip
         limit = opts.duration_s + 60
-        stopping = False
         try:
             while proc.poll() is None:
-                if time.monotonic() - t0 > limit:
+                now = time.monotonic() - t0
+                if now > limit:
                     proc.kill()
                     raise LoadTestError(f"Locust did not finish within {limit:.0f}s; log: {log}")
-                if progress is not None and progress(time.monotonic() - t0) and not stopping:
-                    stopping = True
-                    proc.send_signal(signal.SIGINT)
+                if progress is not None and not stop_file.exists() and progress(now):
+                    stop_file.touch()
+                    # It ends within a shape tick (1 s) plus the users' stop timeout; allow for a slow start.
+                    limit = min(limit, now + STOP_TIMEOUT_S + 30)
                 time.sleep(0.5)
         except BaseException:
             proc.kill()

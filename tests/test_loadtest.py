@@ -153,6 +153,26 @@ def test_replay_reproduces_the_capture_shape_mix(
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("stop_after_s", [0.0, 0.7, 3.0])
+def test_a_replay_asked_to_stop_ends_cleanly_with_its_stats(
+    demo_triton: EmbeddedTriton, capture: Path, tmp_path: Path, stop_after_s: float
+) -> None:
+    # A canary that decides stops its load at any moment, Locust's start-up included. A stop that lands as
+    # Ctrl-C there made Locust exit 1 or 2 (or die of the signal) and a decided canary report a failed replay.
+    result = run(
+        LoadOptions(
+            capture=capture, host=demo_triton.http_url, users=4, spawn_rate=4, duration_s=120, rate=40,
+            csv_prefix=tmp_path / "s",
+        ),
+        progress=lambda elapsed_s: elapsed_s >= stop_after_s,
+    )  # fmt: skip
+    assert result.wall_s < 60, result.wall_s  # stopped, not run to its 120 s
+    assert result.total.failures == 0
+    if stop_after_s >= 3.0:
+        assert result.total.requests > 0
+
+
+@pytest.mark.triton
 def test_loadtest_cli_fails_on_errors_and_bad_captures(demo_triton: EmbeddedTriton, tmp_path: Path) -> None:
     wrong = [
         CaptureRecord(
