@@ -178,8 +178,9 @@ async def healthz(request: web.Request) -> web.StreamResponse:
 
 async def readyz(request: web.Request) -> web.StreamResponse:
     """Readiness: state loaded (the application only serves once `resume` ran) and Triton ready; 503 otherwise, so
-    a Kubernetes readiness probe takes the pod out of the Service while Triton is down."""
-    why = await request.app[MANAGER].not_ready()
+    a Kubernetes readiness probe takes the pod out of the Service while Triton is down. Answered at once from the
+    last background probe (`CanaryManager.watch_readiness`), which waits for a Triton busy with clients."""
+    why = await request.app[MANAGER].ready_reason()
     if why:
         return web.json_response({"ready": False, "reason": why}, status=503)
     return web.json_response({"ready": True})
@@ -220,7 +221,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _ticker(app: web.Application) -> AsyncIterator[None]:
-    async def loop() -> None:
+    async def judging() -> None:
         while True:
             await asyncio.sleep(app[CONFIG].judge_interval_s)
             try:
@@ -228,11 +229,14 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
             except Exception:  # one bad tick must not stop judging
                 LOG.exception("judge tick failed")
 
-    task = asyncio.get_running_loop().create_task(loop())
+    running = asyncio.get_running_loop()
+    tasks = (running.create_task(judging()), running.create_task(app[MANAGER].watch_readiness()))
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 GC_GEN0_THRESHOLD = 100_000  # default 700

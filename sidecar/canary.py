@@ -31,7 +31,7 @@ from sidecar.canary_record import GATE_FIGURES, Canary, CanaryError, gate_vs_can
 from sidecar.config import CanaryParams, ConfigError, SidecarConfig
 from sidecar.control import SHADOW_SUFFIX, ControlError, PromotionError, TritonControl, shadow_name
 from sidecar.decision import Decision
-from sidecar.faults import Blame, classify_answer, classify_exception
+from sidecar.faults import TRITON_PROBE_S, Blame, classify_answer, classify_exception
 from sidecar.judge import INCONCLUSIVE, PIN, PROMOTE, Judgement, Outcome, disagree, judge, wants_placement
 from sidecar.memory import SAMPLE_INTERVAL_S, MemoryProbe, Reading
 from sidecar.metrics import SidecarMetrics, repository_models
@@ -47,11 +47,8 @@ from tunegate.tolerance import ToleranceError, ToleranceSpec
 
 LOG = logging.getLogger(__name__)
 KNOWN_MODELS_S = 10.0  # the repository's models are listed again this often (a new model's series: within it)
+READY_POLL_S = 1.0  # how often `/readyz`'s answer is probed afresh (a refused connection shows within it)
 SHADOW_RELOAD_RETRY_S = 5.0  # a paused canary's shadow that failed to reload is tried again this much later
-# The judge tick's readiness probes wait this long for an answer. A Triton saturated by client traffic answers
-# /v2/health/ready late (seconds on two busy cores, behind the inference requests on its HTTP threads), and
-# is serving, not down: the canary goes on. A server that is down refuses at once and pauses the canary at once.
-TRITON_PROBE_S = 8.0
 
 
 class CanaryManager:
@@ -89,6 +86,9 @@ class CanaryManager:
         self._memory_series: dict[str, list[tuple[str, str, str]]] = {}  # model -> memory gauge labels set
         self._throughput_due: dict[str, float] = {}  # canary id -> when Triton's statistics are read next
         self._known_due = 0.0  # when the repository's models are listed again for the metric labels
+        # why the client path cannot serve ("" when it can), as `watch_readiness` last found it
+        self.readiness = "Triton not probed yet"
+        self._readiness_known = asyncio.Event()
 
     # -- client path hooks (must stay cheap: they run per request on the event loop) ----------
     def live_version(self, model: str) -> int | None:
@@ -108,22 +108,46 @@ class CanaryManager:
                 return left
             await asyncio.sleep(0.01)
 
-    async def not_ready(self) -> str:
+    async def not_ready(self, timeout_s: float = TRITON_PROBE_S) -> str:
         """Why the client path cannot serve now ("" when it can): Triton not ready, or not serving a live version.
 
         Triton's own readiness is strict (one model that failed to load, say a broken candidate, turns it 400
         for good), so a server that is live and serves every live version the sidecar routes to is ready too.
+        Every probe is asked at once and waits `timeout_s`: a Triton busy with clients answers late and serves.
         """
         c = self.control
-        if await c.server_ready(timeout_s=2.0):
+        routed = [
+            (m, v) for m, ms in sorted(self.store.models().items()) if (v := ms.get("live")) is not None
+        ]
+        server, live, *versions = await asyncio.gather(
+            c.server_ready(timeout_s), c.live(timeout_s), *(c.ready(m, v, timeout_s) for m, v in routed)
+        )
+        if server:
             return ""
-        if not await c.live(timeout_s=2.0):
+        if not live:
             return f"Triton at {c.base} does not answer /v2/health/live"
-        for model, ms in sorted(self.store.models().items()):
-            live = ms.get("live")
-            if live is not None and not await c.ready(model, live, timeout_s=2.0):
-                return f"Triton does not serve {model} version {live}"
+        for (model, version), ok in zip(routed, versions, strict=True):
+            if not ok:
+                return f"Triton does not serve {model} version {version}"
         return ""
+
+    async def watch_readiness(self) -> None:
+        """Keep `readiness` current for `/readyz`: Triton probed every READY_POLL_S (`not_ready`), so the readiness
+        probe answers at once from the last result: it never waits on a busy Triton, and what Triton is asked does not
+        grow with how often the sidecar is."""
+        while True:
+            try:
+                self.readiness = await self.not_ready()
+            except Exception:  # a bug in one probe must not freeze readiness: say so, and probe again
+                LOG.exception("readiness probe failed")
+                self.readiness = "the readiness probe of Triton failed (see the sidecar's log)"
+            self._readiness_known.set()
+            await asyncio.sleep(READY_POLL_S)
+
+    async def ready_reason(self) -> str:
+        """The last readiness probe's answer ("" when ready); the first one is awaited (TRITON_PROBE_S at most)."""
+        await self._readiness_known.wait()
+        return self.readiness
 
     def sample(self, rate: float) -> bool:
         return rate >= 1.0 or self._random.random() < rate

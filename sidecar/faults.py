@@ -17,6 +17,11 @@ text); a request the candidate rejects (say, an input its config does not name) 
 candidate. Both are the candidate's. Triton itself never answers "unavailable" over HTTP: on SIGTERM
 it closes its HTTP port at once (connections reset, then refused), so a 502, or a 503 that is not
 Triton's `{"error": ...}` JSON, comes from a proxy in between that could not reach it.
+
+A copy that timed out is the candidate's only if the baseline answers. A stalled Triton (a hung backend or
+device, a stopped process) accepts connections and answers nothing: every copy in flight then times out, and
+that says nothing about the candidate. So the same request goes to the baseline with the same timeout
+(`MirrorJob._slow_or_stalled`); a copy whose baseline did not answer either is `TritonSilent`, Triton's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ import orjson
 
 from sidecar.upstream import UpstreamError, UpstreamTimeout
 
+# How long a probe of Triton waits for its answer (the judge tick's readiness probes, `/readyz`'s). A
+# Triton saturated by client traffic answers /v2/health/ready late (seconds on two busy cores, behind the inference
+# requests on its HTTP threads), and is serving, not down: the canary goes on. A server that is down refuses at
+# once and pauses the canary at once.
+TRITON_PROBE_S = 8.0
 # Substrings of Triton's error for a model (version) that is not loaded or not ready.
 MODEL_MISSING_TEXTS = (
     "request for unknown model",
@@ -35,6 +45,10 @@ MODEL_MISSING_TEXTS = (
     "has no available versions",
     "model version not ready",
 )
+
+
+class TritonSilent(Exception):
+    """A mirror copy timed out while Triton answered nothing at all, its liveness probe included."""
 
 
 class Blame(enum.Enum):
@@ -97,8 +111,11 @@ def classify_exception(exc: BaseException | None) -> MirrorFault:
     """A copy that got no answer: a timeout is the candidate's (it was slow); anything else is Triton's.
 
     The pool raises UpstreamError for a refused or reset connection, one closed before the answer (Triton
-    killed mid-request) and a sidecar shutting down: none of them says anything about the candidate.
+    killed mid-request) and a sidecar shutting down: none of them says anything about the candidate. A
+    timeout while Triton answered nothing (`TritonSilent`) is Triton's too.
     """
+    if isinstance(exc, TritonSilent):
+        return MirrorFault(Blame.TRITON, "timeout", str(exc))
     if isinstance(exc, UpstreamTimeout):
         return MirrorFault(Blame.CANDIDATE, "timeout", "timeout")
     if isinstance(exc, UpstreamError):
@@ -106,4 +123,12 @@ def classify_exception(exc: BaseException | None) -> MirrorFault:
     return MirrorFault(Blame.TRITON, "error", repr(exc) if exc is not None else "no answer")
 
 
-__all__ = ["Blame", "MirrorFault", "classify_answer", "classify_exception", "error_text"]
+__all__ = [
+    "TRITON_PROBE_S",
+    "Blame",
+    "MirrorFault",
+    "TritonSilent",
+    "classify_answer",
+    "classify_exception",
+    "error_text",
+]

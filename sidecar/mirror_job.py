@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sidecar.canary_record import Canary
-from sidecar.faults import MirrorFault
+from sidecar.faults import MirrorFault, TritonSilent
 from sidecar.mirror import Comparison, Reference, compare_responses, reference
-from sidecar.upstream import Headers, UpstreamResponse
+from sidecar.upstream import Headers, UpstreamResponse, UpstreamTimeout
 from tunegate.classes import request_class
 
 if TYPE_CHECKING:  # the manager makes the jobs: a type-only import
@@ -88,10 +88,36 @@ class MirrorJob:
         t0 = time.perf_counter()
 
         def answered(resp: UpstreamResponse | None, exc: BaseException | None) -> None:
-            self._step(then, role, resp, exc, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            if isinstance(exc, UpstreamTimeout):
+                self._slow_or_stalled(then, role, exc, seconds)
+                return
+            self._step(then, role, resp, exc, seconds)
 
         self.mgr.upstream.send(
             b"POST", c.mirror_paths[role], self.headers, self.body, answered, c.params.timeout_s
+        )
+
+    def _slow_or_stalled(self, then: Callable[[str, UpstreamResponse | None, BaseException | None, float], None],
+                         role: str, exc: BaseException, seconds: float) -> None:  # fmt: skip
+        """A copy timed out: its model was slow, or Triton stalled (a hung backend or device, a stopped process:
+        connections accepted, nothing answered)? The same request goes to the baseline with the same timeout. Any
+        answer within it and the timeout stands: the candidate's (or, for the baseline's own copy, the baseline's).
+        None, and the baseline was no faster: the timeout is Triton's (`TritonSilent`), not counted, and the canary
+        pauses until the judge tick's probes find Triton serving. The probe's answer is neither compared nor counted.
+        """
+
+        def probed(resp: UpstreamResponse | None, _exc: BaseException | None) -> None:
+            if resp is not None:  # Triton answered the baseline (whatever it said) while the copy got nothing
+                self._step(then, role, None, exc, seconds)
+            else:
+                why = TritonSilent(f"timed out after {seconds:.1f}s, and the baseline did not answer the same request "
+                                   f"within {self.canary.params.timeout_s:g}s either")  # fmt: skip
+                self._step(then, role, None, why, seconds)
+
+        c = self.canary
+        self.mgr.upstream.send(
+            b"POST", c.mirror_paths["aa"], self.headers, self.body, probed, c.params.timeout_s
         )
 
     def _paired(

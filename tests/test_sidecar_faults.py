@@ -24,10 +24,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from sidecar.app import RunningSidecar, start
-from sidecar.canary import TRITON_PROBE_S
 from sidecar.config import CanaryParams, SidecarConfig
 from sidecar.control import shadow_name
-from sidecar.faults import Blame, classify_answer, classify_exception
+from sidecar.faults import TRITON_PROBE_S, Blame, TritonSilent, classify_answer, classify_exception
 from sidecar.upstream import UpstreamError, UpstreamTimeout
 from tests.sidecar_models import FAST_PARAMS, TOKEN, add_model, infer_body
 from tunegate.triton import EmbeddedTriton, TritonOptions
@@ -88,6 +87,11 @@ def test_a_200_is_no_fault_and_the_candidate_error_keeps_its_text() -> None:
         (UpstreamError("unreachable: ConnectionRefusedError: Connection refused"), Blame.TRITON, "error"),
         (UpstreamError("unreachable: the upstream closed the connection"), Blame.TRITON, "error"),
         (UpstreamError("the sidecar is shutting down"), Blame.TRITON, "error"),
+        (
+            TritonSilent("timed out while Triton answered nothing"),
+            Blame.TRITON,
+            "timeout",
+        ),  # a stalled Triton
         (None, Blame.TRITON, "error"),
     ],
 )
@@ -189,6 +193,14 @@ async def status(client: aiohttp.ClientSession, h: Harness, model: str) -> dict[
     async with client.get(f"{h.url}/canary/{model}", headers=AUTH) as r:
         assert r.status == 200
         return dict(await r.json())
+
+
+async def readyz(client: aiohttp.ClientSession, h: Harness) -> tuple[int, float]:
+    """The sidecar's readiness probe: its status and how long it took to answer."""
+    t0 = time.monotonic()
+    async with client.get(f"{h.url}/readyz") as r:
+        await r.read()
+        return r.status, time.monotonic() - t0
 
 
 async def wait_for(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
@@ -325,7 +337,8 @@ async def test_a_triton_slow_to_answer_its_probes_is_serving_not_down(
     tmp_path: Path, client: aiohttp.ClientSession
 ) -> None:
     """Readiness probes answered 3 s late (a Triton busy with clients) neither pause the canary nor load its shadow
-    anew; probes that get no answer at all (a hung Triton) still pause it, and it resumes when they are answered."""
+    anew, and the sidecar's own /readyz stays ready, answered at once; probes that get no answer at all (a hung
+    Triton) still pause it and make /readyz say not ready, and both come back when they are answered."""
     repo = tmp_path / "repo"
     add_model(repo, "lp", {2: {}})
     h = Harness(repo, ("lp",), tmp_path)
@@ -346,6 +359,11 @@ async def test_a_triton_slow_to_answer_its_probes_is_serving_not_down(
             while time.monotonic() < late_until:  # several judge ticks, each probe answered after 3 s
                 c = (await status(client, h, "lp"))["canary"]
                 assert c["paused"] is None, c["paused"]
+                ready, seconds = await readyz(client, h)
+                assert ready == 200 and seconds < 1.0, (
+                    ready,
+                    seconds,
+                )  # busy Triton: still ready, answered at once
                 await asyncio.sleep(0.2)
             assert relay.probes >= probes + 2  # the tick did probe, late answers and all
             c = (await status(client, h, "lp"))["canary"]
@@ -361,10 +379,17 @@ async def test_a_triton_slow_to_answer_its_probes_is_serving_not_down(
                 return p is not None and "Triton is unavailable" in p["reason"]
 
             await wait_for("the pause", paused, 30)
+
+            async def not_ready() -> bool:
+                return (await readyz(client, h))[0] == 503
+
+            await wait_for("/readyz to say not ready", not_ready, 30)
             relay.delay_s = 0.0
 
             async def resumed() -> bool:
-                return (await status(client, h, "lp"))["canary"]["paused"] is None
+                return (await status(client, h, "lp"))["canary"]["paused"] is None and (
+                    await readyz(client, h)
+                )[0] == 200
 
             await wait_for("the resumption", resumed, 60)
         assert set(codes) == {200}
@@ -373,6 +398,100 @@ async def test_a_triton_slow_to_answer_its_probes_is_serving_not_down(
     finally:
         await h.close()
         await relay.close()
+
+
+@pytest.mark.triton
+async def test_a_stalled_triton_is_not_the_candidates_timeout(
+    tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """Triton's server stopped (SIGSTOP: connections accepted, nothing answered, as a hung backend or device) while
+    copies are in flight: they time out long before the judge tick's probe gives up, and none is counted against the
+    candidate. The canary pauses for Triton and resumes once it answers again. (The server process only: its python
+    backend stubs stopped and continued with it crash the python backend, and Triton is then down, not stalled.)"""
+    repo = tmp_path / "repo"
+    add_model(repo, "st", {2: {"delay_ms": 30}})  # copies take a while: some are in flight at the stop
+    h = Harness(repo, ("st",), tmp_path)
+    stopped = False
+    try:
+        await h.start_sidecar(tmp_path / "state")
+        await start_canary(
+            client, h, "st", min_samples=10**6, warmup_samples=10**6, deadline_s=600, timeout_s=1.0
+        )
+        async with load(client, h.url, "st"):
+
+            async def evidence(n: int) -> bool:
+                return int((await status(client, h, "st"))["canary"]["evidence"]["compared"]) >= n
+
+            await wait_for("evidence", lambda: evidence(20), 30)
+            assert h.triton.proc is not None
+            os.kill(h.triton.proc.pid, signal.SIGSTOP)
+            stopped = True
+
+            async def paused() -> bool:
+                p = (await status(client, h, "st"))["canary"]["paused"]
+                return p is not None and "Triton is unavailable" in p["reason"]
+
+            # the copies and their baseline probes time out after 1 s each; the tick's probes wait TRITON_PROBE_S
+            await wait_for("the pause", paused, TRITON_PROBE_S + 10)
+            await asyncio.sleep(2.0)  # every copy sent before the stop has timed out and been judged by now
+            ev = (await status(client, h, "st"))["canary"]["evidence"]
+            assert ev["timeouts"] == 0 and ev["errors"] == 0, ev
+            os.kill(h.triton.proc.pid, signal.SIGCONT)
+            stopped = False
+            sent = int(ev["sent"])
+
+            async def resumed() -> bool:
+                c = (await status(client, h, "st"))["canary"]
+                return c["paused"] is None and int(c["evidence"]["sent"]) >= sent + 20
+
+            await wait_for("the resumption and new evidence", resumed, 60)
+        st = await status(client, h, "st")
+        assert st["state"] == "running", st
+        ev = st["canary"]["evidence"]
+        # The client requests held at the stop answer late, after it: nothing else fails or times out.
+        assert ev["timeouts"] == 0 and ev["errors"] == 0, ev
+        for kind in ("timeout", "error"):
+            assert (
+                h.metric("tunegate_mirror_errors_total", model="st", version="2", role="candidate", kind=kind)
+                == 0
+            )
+    finally:
+        if stopped and h.triton.proc is not None:
+            os.kill(h.triton.proc.pid, signal.SIGCONT)
+        await h.close()
+
+
+@pytest.mark.triton
+async def test_a_hung_candidate_on_a_quiet_triton_is_pinned_for_its_timeouts(
+    tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """One request every 0.7 s, nothing else asked of Triton: the candidate's copies time out while Triton answers
+    nothing else, the baseline answers the same request, and the timeouts are the candidate's: it is pinned."""
+    repo = tmp_path / "repo"
+    add_model(repo, "hc", {2: {"delay_ms": 1500}})
+    h = Harness(repo, ("hc",), tmp_path)
+    try:
+        await h.start_sidecar(tmp_path / "state")
+        await start_canary(client, h, "hc", deadline_s=120, timeout_s=0.4)
+        rng = np.random.default_rng(0)
+        deadline = time.monotonic() + 90
+        while (await status(client, h, "hc"))["state"] == "running":
+            assert time.monotonic() < deadline, await status(client, h, "hc")
+            body, headers = infer_body(rng)
+            async with client.post(f"{h.url}/v2/models/hc/infer", data=body, headers=headers) as r:
+                assert r.status == 200
+                await r.read()
+            await asyncio.sleep(0.7)
+        last = (await status(client, h, "hc"))["last"]
+        assert last["outcome"] == "pin" and "candidate failed" in last["reasons"][0], last
+        assert (
+            h.metric(
+                "tunegate_mirror_errors_total", model="hc", version="2", role="candidate", kind="timeout"
+            )
+            >= 3
+        )
+    finally:
+        await h.close()
 
 
 @pytest.mark.triton
