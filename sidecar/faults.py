@@ -47,8 +47,8 @@ MODEL_MISSING_TEXTS = (
 )
 
 
-class TritonSilent(Exception):
-    """A mirror copy timed out while Triton answered nothing at all, its liveness probe included."""
+class TritonSilent(UpstreamError):
+    """A mirror copy timed out and the baseline did not answer the same request in that time either: Triton stalled."""
 
 
 class Blame(enum.Enum):

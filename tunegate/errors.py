@@ -14,8 +14,9 @@
     │   ├── loadtest: LoadTestError
     │   └── sidecar: StateError, AdminError (the admin API's answer), ControlError (Triton's repository API or
     │       the repository) ── PromotionError, RollbackFailed
-    ├── UpstreamError ── UpstreamTimeout: a request to Triton got no answer (the client path's 502 and 504;
-    │   on the mirror, sidecar.faults decides whether it speaks against the candidate or against Triton)
+    ├── UpstreamError ── UpstreamTimeout, TritonSilent: a request to Triton got no answer (the client path's
+    │   502 and 504; on the mirror, sidecar.faults decides whether it speaks against the candidate or against
+    │   Triton: TritonSilent is a copy's timeout while the baseline did not answer either)
     ├── CanaryError, RollbackError: an admin request the sidecar refuses; each carries its HTTP status
     └── CliError: a command's message and exit code (tunegate.console)
 
