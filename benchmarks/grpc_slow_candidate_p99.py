@@ -20,6 +20,12 @@ Every setup is up at once; the runs interleave (each round, each concurrency, th
 reverses every round); figures are medians over the rounds, ratios the medians of each round's own ratios to
 passthrough's p99 (measured seconds apart). Pairs per second come from each canary's own count of copies compared.
 
+One round's p99 on a small shared machine moves by tens of percent (scheduler noise), so the medians of ratios
+say little about a 5% question. The pooled figures answer it: every request's latency in the measurement windows
+(perf_analyzer's profile export), all rounds together, one p99 per setup and concurrency; its ratio to
+passthrough's pooled p99 (and the slow candidate's to the identical one's, same rate and budget) with a 95%
+interval from a bootstrap over rounds (the same rounds drawn for both sides: they ran seconds apart).
+
     .venv/bin/python benchmarks/grpc_slow_candidate_p99.py                        # about 12 minutes
     .venv/bin/python benchmarks/grpc_slow_candidate_p99.py --duration 2 --repeats 1 -c 1   # smoke
     .venv/bin/python benchmarks/grpc_slow_candidate_p99.py --rates 1 --budgets off 0.05@0.99 --repeats 6
@@ -36,9 +42,11 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from sidecar_grpc import concurrency_table, measure, perf_analyzer, perf_env
 from sidecar_vs_nginx import IDENTITY_PY, median_run
@@ -101,6 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     setups, budget_of = build_repository(work / "repo", args.rates, args.budgets)
     token = write_token_file(work / "token", TOKEN)
     raw: dict[str, dict[int, list[dict[str, float]]]] = {}
+    lat: dict[str, dict[int, list[np.ndarray]]] = {}
     console = Console(stderr=True)
     with contextlib.ExitStack() as stack:
         triton = stack.enter_context(EmbeddedTriton(TritonOptions(repository=work / "repo",
@@ -139,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     model = setups[name]
                     compared0 = compared(admin, model)
                     r = measure(raw, name, sc.grpc_address, model, c, args.duration, work, env, (sc_pid, triton_pid),
-                                console)  # fmt: skip
+                                console, lat.setdefault(name, {}).setdefault(c, []))  # fmt: skip
                     r["pairs_per_s"] = (compared(admin, model) - compared0) / r["wall_s"]
         errors = {m: (admin.status(m)["canary"] or {}).get("evidence", {}).get("errors")
                   for s, m in setups.items() if s != "passthrough"}  # fmt: skip
@@ -153,9 +162,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for c, runs in per.items():
             rs = [a["p99_ms"] / b["p99_ms"] for a, b in zip(runs, raw["passthrough"][c], strict=True)]
             ratios.setdefault(name, {})[c] = {"p99": statistics.median(rs), "min": min(rs), "max": max(rs)}
-    return {"results": results, "p99_vs_passthrough": ratios, "runs": raw, "duration_s": args.duration,
+    return {"results": results, "p99_vs_passthrough": ratios, "pooled": pooled(lat, args.seed), "runs": raw,
+            "duration_s": args.duration,
             "nice_sidecar": args.nice_sidecar,
             "repeats": args.repeats, "replay_errors": errors, "budgets": budgets}  # fmt: skip
+
+
+def pooled_p99(rounds: list[np.ndarray], pick: np.ndarray | None = None) -> float:
+    chosen = rounds if pick is None else [rounds[i] for i in pick]
+    return float(np.percentile(np.concatenate(chosen), 99))
+
+
+def pooled_ratio(
+    a: list[np.ndarray], b: list[np.ndarray], rng: np.random.Generator, n_boot: int = 2000
+) -> dict[str, float]:
+    """p99 of `a`'s pooled latencies over `b`'s, with a 95% percentile interval from resampling rounds (the same
+    round indices for both sides: round i of `a` ran seconds from round i of `b`)."""
+    n = min(len(a), len(b))
+    boot = []
+    for _ in range(n_boot):
+        pick = rng.integers(0, n, n)
+        boot.append(pooled_p99(a, pick) / pooled_p99(b, pick))
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return {"ratio": pooled_p99(a[:n]) / pooled_p99(b[:n]), "lo": float(lo), "hi": float(hi), "rounds": n}
+
+
+def pooled(
+    lat: Mapping[str, Mapping[int, list[np.ndarray]]], seed: int
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """Per setup and concurrency: the pooled p99, its ratio to passthrough's and, for a slow candidate, to the
+    identical candidate's at the same rate and budget."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, per in lat.items():
+        for c, rounds in per.items():
+            row: dict[str, Any] = {"p99_ms": pooled_p99(rounds), "requests": int(sum(len(r) for r in rounds))}
+            if name != "passthrough":
+                row["vs_passthrough"] = pooled_ratio(rounds, lat["passthrough"][c], rng)
+            twin = name.replace("slow@", "ident@", 1)
+            if name.startswith("slow@") and twin in lat:
+                row["vs_identical"] = pooled_ratio(rounds, lat[twin][c], rng)
+            out.setdefault(name, {})[c] = row
+    return out
 
 
 def compared(admin: AdminClient, model: str) -> int:
@@ -176,6 +224,18 @@ def report(data: dict[str, Any]) -> None:
     )  # fmt: skip
     console = Console(width=200)
     console.print(t)
+
+    def interval(q: dict[str, float] | None) -> str:
+        return f"{q['ratio']:.3f}x [{q['lo']:.3f}-{q['hi']:.3f}]" if q else "-"
+
+    pooled_t = concurrency_table(
+        "Pooled over the rounds: p99, and its ratio with a 95% bootstrap interval over rounds",
+        data["pooled"],
+        [("p99 ms", lambda _n, _c, r: f"{r['p99_ms']:.3f}"),
+         ("/ passthrough", lambda _n, _c, r: interval(r.get("vs_passthrough"))),
+         ("/ identical", lambda _n, _c, r: interval(r.get("vs_identical")))],
+    )  # fmt: skip
+    console.print(pooled_t)
     bad = {m: e for m, e in data["replay_errors"].items() if e}
     console.print(f"[red]replay errors: {bad}" if bad else "[green]no replay errors in any canary")
     for setup, b in (data.get("budgets") or {}).items():
@@ -209,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="run the sidecar's Python threads at this niceness (its compiled front stays at 0)",
     )
+    p.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
     p.add_argument("--json", type=Path, help="write the figures here")
     args = p.parse_args(argv)
     data = run(args)

@@ -101,14 +101,19 @@ PERF_ANALYZER = perf.executable()
 
 
 def perf_analyzer(address: str, model: str, concurrency: int, duration_s: float, work: Path,
-                  env: dict[str, str]) -> dict[str, float]:  # fmt: skip
-    """One perf_analyzer measurement: 3 windows of `duration_s`/3 at a fixed concurrency (stability not required)."""
+                  env: dict[str, str], latencies: list[np.ndarray] | None = None) -> dict[str, float]:  # fmt: skip
+    """One perf_analyzer measurement: 3 windows of `duration_s`/3 at a fixed concurrency (stability not required).
+    With `latencies`, every request's latency (ms) in those windows is appended to it as one array (perf_analyzer's
+    profile export), so that rounds can be pooled."""
     out = work / f"pa-{model}-{concurrency}.csv"
+    export = work / f"pa-{model}-{concurrency}.json"
     window_ms = max(500, int(duration_s * 1000 / 3))
+    export.unlink(missing_ok=True)  # perf_analyzer refuses to write over an earlier export
     proc = subprocess.run(
         [PERF_ANALYZER, "-m", model, "-i", "grpc", "-u", address, "--shape", "x:16",
          "--concurrency-range", str(concurrency), "--measurement-interval", str(window_ms),
-         "--stability-percentage", "1000", "--max-trials", "3", "-f", str(out)],
+         "--stability-percentage", "1000", "--max-trials", "3", "-f", str(out),
+         *(["--profile-export-file", str(export)] if latencies is not None else [])],
         capture_output=True, text=True, timeout=duration_s * 4 + 120, env=env, check=False,
     )  # fmt: skip
     if proc.returncode != 0:
@@ -117,18 +122,31 @@ def perf_analyzer(address: str, model: str, concurrency: int, duration_s: float,
         )
     with open(out, newline="") as f:
         row = next(csv.DictReader(f))
+    if latencies is not None:
+        latencies.append(window_latencies_ms(json.loads(export.read_text())))
     return {"rps": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1000,
             "p99_ms": float(row["p99 latency"]) / 1000, "seconds": window_ms * 3 / 1000}  # fmt: skip
 
 
+def window_latencies_ms(profile: dict[str, Any]) -> np.ndarray:
+    """The latencies (ms) of the requests sent within the measurement windows of perf_analyzer's profile export
+    (its last experiment: the one concurrency run; requests of the ramp before and the drain after are left out)."""
+    exp = profile["experiments"][-1]
+    bounds = exp.get("window_boundaries") or []
+    lo, hi = (bounds[0], bounds[-1]) if len(bounds) >= 2 else (-np.inf, np.inf)
+    out = [(r["response_timestamps"][-1] - r["timestamp"]) / 1e6 for r in exp["requests"]
+           if r.get("response_timestamps") and lo <= r["timestamp"] < hi]  # fmt: skip
+    return np.asarray(out, dtype=np.float64)
+
+
 def measure(raw: dict[str, dict[int, list[dict[str, float]]]], name: str, address: str, model: str, concurrency: int,
             duration_s: float, work: Path, env: dict[str, str], pids: tuple[int | None, int | None],
-            console: Console) -> dict[str, float]:  # fmt: skip
+            console: Console, latencies: list[np.ndarray] | None = None) -> dict[str, float]:  # fmt: skip
     """One perf_analyzer run recorded under `name` with the CPU per request of `pids` (the proxy, Triton) over the
     whole run (its windows and the ramp between: requests estimated from the measured rate over the wall time)."""
     before = cpu_seconds(pids[0]), cpu_seconds(pids[1])
     t0 = time.monotonic()
-    r = perf_analyzer(address, model, concurrency, duration_s, work, env)
+    r = perf_analyzer(address, model, concurrency, duration_s, work, env, latencies)
     r["wall_s"] = time.monotonic() - t0
     after = cpu_seconds(pids[0]), cpu_seconds(pids[1])
     record(raw, name, concurrency, r, before, after, max(1.0, r["rps"] * r["wall_s"]), console)
