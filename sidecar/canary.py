@@ -382,6 +382,7 @@ class CanaryManager:
         if time.time() < canary.started + p.warmup_s or canary.evidence.compared < p.warmup_samples:
             return
         readings: dict[str, ComputeReading] = {}
+        placement = canary.evidence.placement
         try:
             for role, (name, version) in canary.targets().items():
                 raw = await self.control.get_json(f"/v2/models/{name}/versions/{version}/stats")
@@ -393,13 +394,14 @@ class CanaryManager:
         except (ControlError, StatsError) as exc:  # measuring must never stop judging
             LOG.warning("reading Triton's statistics for %s's versions failed: %s", canary.model, exc)
             return
-        if self.canaries.get(canary.model) is not canary:
-            return
+        if self.canaries.get(canary.model) is not canary or canary.evidence.placement != placement:
+            return  # ended, or fresh instances came while reading: the next reading is the new set's first
         if not canary.throughput_first:
             canary.throughput_first = readings
             return
         windows = {role: r.since(canary.throughput_first[role]) for role, r in readings.items()}
         canary.evidence.throughput = throughput_evidence(windows, canary.instances)
+        canary.evidence.throughput_sets[str(placement)] = canary.evidence.throughput
         series = self._memory_series.setdefault(canary.model, [])  # removed with the memory gauges at the end
         for role, w in windows.items():
             cap = capacity(w, canary.instances.get(role, 1))

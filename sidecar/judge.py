@@ -33,7 +33,8 @@ limit), under half of them shown on the other at AGAINST_CONFIDENCE (for the p50
 pairs, `placement_ratios`). A set's pairs are a few hundred at most, too few for a bound of their own on a small
 effect: the sets vote, the pooled test carries the confidence, and an outlying placement is outvoted. The recent window's pin
 holds on each set of instances in the window, and where those are fewer than `placements`, only for a slowdown
-they did not show before it (a late regression, not their placement).
+they did not show before it (a late regression, not their placement). The capacity pin (Triton's compute time
+per inference) counts each set's own window the same way (`_Look.throughput`).
 
 Promotion needs `min_samples` comparisons over at least `min_duration_s`, every expected request class
 covered, and the upper bounds within their limits: out-of-tolerance and error rates (differences with
@@ -56,6 +57,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sidecar.throughput import figures as throughput_figures
+from sidecar.throughput import pooled as throughput_pooled
 from tunegate.stats import difference_lower, difference_upper, rate_lower, rate_upper
 
 
@@ -158,6 +160,8 @@ class Evidence:
     memory: Mapping[str, float] = dataclasses.field(default_factory=dict)  # role -> peak bytes seen
     # role -> [inferences, executions, compute_ns, instances] since the warm-up, from Triton (sidecar.throughput)
     throughput: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
+    # set of instances (str index) -> its own window, as `throughput`: each set's capacity votes, as for latency
+    throughput_sets: Mapping[str, Mapping[str, Sequence[int]]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,9 +256,9 @@ def wants_placement(params: JudgeParams, current: int, pairs: int, disagree: boo
 
 
 def disagree(judgement: Mapping[str, Any] | None) -> bool:
-    """The `placements_disagree` flag of a judgement's latency figures (Judgement.to_dict())."""
-    latency = ((judgement or {}).get("stats") or {}).get("latency") or {}
-    return bool(latency.get("placements_disagree"))
+    """The `placements_disagree` flag of a judgement's latency or capacity figures (Judgement.to_dict())."""
+    stats = (judgement or {}).get("stats") or {}
+    return any(bool((stats.get(k) or {}).get("placements_disagree")) for k in ("latency", "throughput"))
 
 
 # -- the judge --------------------------------------------------------------------------------
@@ -684,16 +688,38 @@ class _Look:
 
     def throughput(self) -> None:
         """Pin a candidate whose instances sustain less than `min_throughput_ratio` times the baseline's rate on the
-        same mirrored mix (Triton's compute time per inference; sidecar.throughput), once both ran enough."""
-        fig = throughput_figures(self.ev.throughput)
-        limit = self.params.min_throughput_ratio
+        same mirrored mix (Triton's compute time per inference; sidecar.throughput), once both ran enough.
+
+        With `placements` > 1 the capacity, like every latency verdict, must hold on the sets of instances: the
+        pin needs the windows of all sets together below the limit and at least `placements` sets' own windows
+        below it, more of them below than not; a set below it is outvoted by `placements` sets at or above it,
+        more of them than below. Until one or the other (a set's placement, or a busy neighbour on its cores,
+        can hold one set back), the promotion waits and the canary loads another set (`placements_disagree`)."""
+        ev, limit = self.ev, self.params.min_throughput_ratio
+        sets = dict(ev.throughput_sets) or ({"0": ev.throughput} if ev.throughput else {})
+        fig = throughput_figures(throughput_pooled(sets) if len(sets) > 1 else ev.throughput)
         fig["min_ratio"] = limit
         self.stats["throughput"] = fig
         ratio = fig["ratio"]
-        if ratio is not None and ratio < limit:
+        per_set = {q: throughput_figures(w)["ratio"] for q, w in sorted(sets.items())}
+        judged = [r for r in per_set.values() if r is not None]
+        below = sum(r < limit for r in judged)
+        above = len(judged) - below
+        if len(sets) > 1:
+            fig["sets"] = per_set
+        need = max(1, self.params.placements)
+        if ratio is None or not below or (above >= need and above > below):
+            return
+        if ratio < limit and below >= need and below > above:
+            held = f" on {below} of {len(judged)} sets of instances" if need > 1 else ""
             self.pin.append(f"candidate sustains less throughput: {fig['candidate_capacity_rps']:.1f} inferences/s "
                             f"against the baseline's {fig['baseline_capacity_rps']:.1f} (ratio {ratio:.2f} < allowed "
-                            f"{limit:.2f}; Triton's compute time over {fig['candidate_inferences']} inferences)")  # fmt: skip
+                            f"{limit:.2f}{held}; Triton's compute time over {fig['candidate_inferences']} "
+                            "inferences)")  # fmt: skip
+            return
+        fig["placements_disagree"] = True
+        self.missing.append(f"capacity below {limit:.2f} on {below} of {len(judged)} sets of instances (ratio "
+                            f"{ratio:.2f} over all): waiting for {need} to agree")  # fmt: skip
 
     def coverage(self) -> None:
         ev, p = self.ev, self.params

@@ -81,6 +81,8 @@ class EvidenceCounter:
     throughput: dict[str, list[int]] = dataclasses.field(
         default_factory=dict
     )  # sidecar.throughput, since warm-up
+    # set of instances (str(placement)) -> its own window, as `throughput` (sidecar.judge's capacity pin)
+    throughput_sets: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
     skipped: dict[str, int] = dataclasses.field(
         default_factory=dict
     )  # reason -> sampled requests not mirrored

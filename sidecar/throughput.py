@@ -7,7 +7,9 @@ group sustains when every instance is busy: its capacity on the traffic it was s
 
 The canary reads both the candidate and the version it is compared with at every memory sample and keeps
 the difference from a first reading taken once the warm-up is over (a cold model's first inferences are
-slow for reasons that pass). With shadow latency pairing both are versions of the shadow model and get the
+slow for reasons that pass). Fresh instances (the judge's placements) start a new window, and each set of
+instances keeps its own: a process's placement can make one instance lastingly slower, and the judge's
+capacity pin, like its latency pins, must hold on the sets of instances (sidecar.judge). With shadow latency pairing both are versions of the shadow model and get the
 very same requests, one pair at a time; with primary pairing the baseline is the live version, which
 serves the clients' traffic of the same mix. The ratio of the two capacities is the candidate's
 throughput against the baseline's on the captured request mix; the judge pins a candidate whose ratio
@@ -86,6 +88,22 @@ def evidence(windows: Mapping[str, ComputeReading], instances: Mapping[str, int]
         role: [w.inferences, w.executions, w.compute_ns, instances.get(role, 1)]
         for role, w in windows.items()
     }
+
+
+def pooled(sets: Mapping[Any, Mapping[str, Any]]) -> dict[str, list[int]]:
+    """The windows of several sets of instances as one (role -> [inferences, executions, compute_ns, instances]):
+    counts and compute time summed, each set's compute time weighted by its own instances (the capacity of the
+    sum is then the inferences over the compute seconds per instance)."""
+    out: dict[str, list[int]] = {}
+    for held in sets.values():
+        for role, v in held.items():
+            if not v or len(v) < 4:
+                continue
+            acc = out.setdefault(role, [0, 0, 0, 1])
+            acc[0] += int(v[0])
+            acc[1] += int(v[1])
+            acc[2] += int(v[2]) // max(1, int(v[3]))  # compute seconds per instance
+    return out
 
 
 def figures(held: Mapping[str, Any]) -> dict[str, Any]:

@@ -138,7 +138,8 @@ async def test_a_candidate_slower_only_on_the_longest_shape_is_pinned_naming_it(
 
 async def test_throughput_from_tritons_statistics(sidecar: str) -> None:
     """Capacity per version from Triton's compute time: about equal for an identical candidate, and a candidate
-    doing three times the work is pinned on it (latency limits opened so that only throughput decides)."""
+    doing three times the work is pinned on it (latency limits opened so that only throughput decides), on
+    each of two sets of instances."""
     only_throughput = {"candidate": 2, "latency_slack": 9.0, "deadline_s": 120, "warmup_s": 3.0}
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{sidecar}/canary/thrsame", json=only_throughput, headers=AUTH) as r:
@@ -171,3 +172,9 @@ async def test_throughput_from_tritons_statistics(sidecar: str) -> None:
         thr["ratio"] < 0.6
         and thr["candidate_compute_ms_per_inference"] > thr["baseline_compute_ms_per_inference"]
     )
+    # As the sidecar judges by default (two placements), the pin held on each set of instances, not on one.
+    judged = [r for r in thr["sets"].values() if r is not None]
+    assert len(judged) >= 2 and all(r < 0.6 for r in judged), thr
+    assert any("of 2 sets of instances" in x or "of 3 sets of instances" in x for x in rec["reasons"]), rec[
+        "reasons"
+    ]

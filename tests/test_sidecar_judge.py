@@ -23,8 +23,10 @@ from sidecar.judge import (
     PIN,
     PROMOTE,
     Evidence,
+    Judgement,
     JudgeParams,
     design_effect,
+    disagree,
     judge,
     wants_placement,
 )
@@ -221,6 +223,50 @@ def test_a_promotion_waits_for_a_second_set_of_instances() -> None:
     waiting = judge(one, two, now=100, deadline=200)
     assert waiting.outcome == CONTINUE and any("1 of 1 sets with 50 pairs" in r for r in waiting.reasons)
     assert judge(_pairs(rng, [(1000, 1.0), (500, 1.0)]), two, now=100, deadline=200).outcome == PROMOTE
+
+
+def _capacity(ratios: list[float | None]) -> dict[str, dict[str, list[int]]]:
+    """Per set of instances, Triton's windows with the candidate's capacity at `ratio` times the baseline's (None:
+    too few inferences to judge)."""
+    sets = {}
+    for q, ratio in enumerate(ratios):
+        n = 150 if ratio is None else 1000
+        sets[str(q)] = {"baseline": [n, n, n * 200_000, 1],
+                        "candidate": [n, n, int(n * 200_000 / (ratio or 1.0)), 1]}  # fmt: skip
+    return sets
+
+
+def test_a_capacity_below_the_limit_on_one_set_of_instances_alone_is_not_a_pin() -> None:
+    """A set of instances whose compute is slower (its placement, or a busy neighbour on its cores) holds the
+    promotion back and asks for another set; the pin needs `placements` sets below the limit, most of them."""
+    rng = np.random.default_rng(13)
+    two = dataclasses.replace(PARAMS, placements=2)
+
+    def look(params: JudgeParams, sets: list[float | None], pairs: list[tuple[int, float]]) -> Judgement:
+        caps = _capacity(sets)
+        ev = dataclasses.replace(
+            _pairs(rng, pairs), throughput=caps[str(len(sets) - 1)], throughput_sets=caps
+        )
+        return judge(ev, params, now=100, deadline=200)
+
+    fine = [(1000, 1.0), (500, 1.0)]  # latency: promotable on two sets
+    assert look(two, [1.0, 1.0], fine).outcome == PROMOTE
+    # One set at 0.7 of the baseline's capacity, one at 1.0: neither a pin nor a promotion, another set asked for.
+    j = look(two, [0.7, 1.0], fine)
+    assert j.outcome == CONTINUE and j.stats["throughput"]["placements_disagree"], j.reasons
+    assert any("capacity below 0.80 on 1 of 2 sets" in r for r in j.reasons), j.reasons
+    assert disagree(j.to_dict())
+    assert j.stats["throughput"]["sets"] == pytest.approx({"0": 0.7, "1": 1.0})
+    # The first set alone below the limit, the second not yet measured: the same wait (the old rule pinned here).
+    assert look(two, [0.7, None], fine).outcome == CONTINUE
+    assert look(PARAMS, [0.7], [(1500, 1.0)]).outcome == PIN  # one set of instances asked for: pinned on it
+    # Below on both sets: pinned, saying so.
+    both = look(two, [0.7, 0.72], fine)
+    assert both.outcome == PIN and "sustains less throughput" in both.reasons[0], both.reasons
+    assert "on 2 of 2 sets of instances" in both.reasons[0]
+    # A third set agreeing with the good one outvotes the outlier; one agreeing with the bad one pins.
+    assert look(two, [0.7, 1.0, 1.0], [(600, 1.0), (400, 1.0), (600, 1.0)]).outcome == PROMOTE
+    assert look(two, [0.7, 1.0, 0.7], [(600, 1.0), (400, 1.0), (600, 1.0)]).outcome == PIN
 
 
 def test_when_a_canary_loads_fresh_instances() -> None:
