@@ -257,8 +257,11 @@ def test_a_capacity_below_the_limit_on_one_set_of_instances_alone_is_not_a_pin()
     assert any("capacity below 0.80 on 1 of 2 sets" in r for r in j.reasons), j.reasons
     assert disagree(j.to_dict())
     assert j.stats["throughput"]["sets"] == pytest.approx({"0": 0.7, "1": 1.0})
-    # The first set alone below the limit, the second not yet measured: the same wait (the old rule pinned here).
-    assert look(two, [0.7, None], fine).outcome == CONTINUE
+    # The first set alone below the limit, the second not yet measured: the same wait (the old rule pinned here),
+    # and no third set asked for before the second is measured.
+    unmeasured = look(two, [0.7, None], fine)
+    assert unmeasured.outcome == CONTINUE, unmeasured.reasons
+    assert not disagree(unmeasured.to_dict()), unmeasured.stats["throughput"]
     assert look(PARAMS, [0.7], [(1500, 1.0)]).outcome == PIN  # one set of instances asked for: pinned on it
     # Below on both sets: pinned, saying so.
     both = look(two, [0.7, 0.72], fine)
