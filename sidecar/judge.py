@@ -162,6 +162,7 @@ class Evidence:
     throughput: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
     # set of instances (str index) -> its own window, as `throughput`: each set's capacity votes, as for latency
     throughput_sets: Mapping[str, Mapping[str, Sequence[int]]] = dataclasses.field(default_factory=dict)
+    placement: int = 0  # the set of instances serving now (its window appears at its second reading)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -696,8 +697,10 @@ class _Look:
         more of them than below. Until one or the other (a set's placement, or a busy neighbour on its cores,
         can hold one set back), the promotion waits and the canary loads another set (`placements_disagree`)."""
         ev, limit = self.ev, self.params.min_throughput_ratio
-        sets = dict(ev.throughput_sets) or ({"0": ev.throughput} if ev.throughput else {})
-        fig = throughput_figures(throughput_pooled(sets) if len(sets) > 1 else ev.throughput)
+        split = self.params.placements > 1 and len(ev.throughput_sets) > 1
+        # One set asked for (or one measured): the newest window decides, as latency's pairs are not split either.
+        sets = dict(ev.throughput_sets) if split else ({"0": ev.throughput} if ev.throughput else {})
+        fig = throughput_figures(throughput_pooled(sets) if split else ev.throughput)
         fig["min_ratio"] = limit
         self.stats["throughput"] = fig
         ratio = fig["ratio"]
@@ -705,7 +708,7 @@ class _Look:
         judged = [r for r in per_set.values() if r is not None]
         below = sum(r < limit for r in judged)
         above = len(judged) - below
-        if len(sets) > 1:
+        if split:
             fig["sets"] = per_set
         need = max(1, self.params.placements)
         if ratio is None or not below or (above >= need and above > below):
@@ -719,8 +722,7 @@ class _Look:
             return
         # Another set only once the newest one's own capacity is known: the canary may load one before that
         # (its latency pairs come sooner than Triton's two readings), and the newest set would go unmeasured.
-        newest = per_set[max(sets, key=int)] if sets else None
-        fig["placements_disagree"] = newest is not None
+        fig["placements_disagree"] = per_set.get(str(ev.placement)) is not None
         self.missing.append(f"capacity below {limit:.2f} on {below} of {len(judged)} sets of instances (ratio "
                             f"{ratio:.2f} over all): waiting for {need} to agree")  # fmt: skip
 

@@ -92,17 +92,25 @@ def evidence(windows: Mapping[str, ComputeReading], instances: Mapping[str, int]
 
 def pooled(sets: Mapping[Any, Mapping[str, Any]]) -> dict[str, list[int]]:
     """The windows of several sets of instances as one (role -> [inferences, executions, compute_ns, instances]):
-    counts and compute time summed, each set's compute time weighted by its own instances (the capacity of the
-    sum is then the inferences over the compute seconds per instance)."""
+    counts and compute time summed. Where a role's sets differ in instance count, each set's compute time is
+    taken per instance and the role reported as one instance (its capacity is the same either way)."""
     out: dict[str, list[int]] = {}
+    per_instance: dict[str, int] = {}
+    counts: dict[str, set[int]] = {}
     for held in sets.values():
         for role, v in held.items():
             if not v or len(v) < 4:
                 continue
-            acc = out.setdefault(role, [0, 0, 0, 1])
+            inst = max(1, int(v[3]))
+            acc = out.setdefault(role, [0, 0, 0, inst])
             acc[0] += int(v[0])
             acc[1] += int(v[1])
-            acc[2] += int(v[2]) // max(1, int(v[3]))  # compute seconds per instance
+            acc[2] += int(v[2])
+            per_instance[role] = per_instance.get(role, 0) + int(v[2]) // inst
+            counts.setdefault(role, set()).add(inst)
+    for role, acc in out.items():
+        if len(counts[role]) > 1:
+            acc[2], acc[3] = per_instance[role], 1
     return out
 
 

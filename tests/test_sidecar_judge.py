@@ -242,11 +242,11 @@ def test_a_capacity_below_the_limit_on_one_set_of_instances_alone_is_not_a_pin()
     rng = np.random.default_rng(13)
     two = dataclasses.replace(PARAMS, placements=2)
 
-    def look(params: JudgeParams, sets: list[float | None], pairs: list[tuple[int, float]]) -> Judgement:
+    def look(params: JudgeParams, sets: list[float | None], pairs: list[tuple[int, float]],
+             serving: int | None = None) -> Judgement:  # fmt: skip
         caps = _capacity(sets)
-        ev = dataclasses.replace(
-            _pairs(rng, pairs), throughput=caps[str(len(sets) - 1)], throughput_sets=caps
-        )
+        ev = dataclasses.replace(_pairs(rng, pairs), throughput=caps[str(len(sets) - 1)], throughput_sets=caps,
+                                 placement=len(sets) - 1 if serving is None else serving)  # fmt: skip
         return judge(ev, params, now=100, deadline=200)
 
     fine = [(1000, 1.0), (500, 1.0)]  # latency: promotable on two sets
@@ -262,6 +262,12 @@ def test_a_capacity_below_the_limit_on_one_set_of_instances_alone_is_not_a_pin()
     unmeasured = look(two, [0.7, None], fine)
     assert unmeasured.outcome == CONTINUE, unmeasured.reasons
     assert not disagree(unmeasured.to_dict()), unmeasured.stats["throughput"]
+    # Nor while fresh instances serve whose window has not appeared yet (Triton's second reading of them).
+    fresh = look(two, [0.7], [(1000, 1.0), (500, 1.0)], serving=1)
+    assert fresh.outcome == CONTINUE and not disagree(fresh.to_dict()), fresh.stats["throughput"]
+    # One set of instances asked for: the newest window decides, whatever sets the evidence holds.
+    assert look(PARAMS, [0.7, 1.0], [(1500, 1.0)]).outcome == PROMOTE
+    assert look(PARAMS, [1.0, 0.7], [(1500, 1.0)]).outcome == PIN
     assert look(PARAMS, [0.7], [(1500, 1.0)]).outcome == PIN  # one set of instances asked for: pinned on it
     # Below on both sets: pinned, saying so.
     both = look(two, [0.7, 0.72], fine)
