@@ -85,6 +85,9 @@ class CanaryManager:
         self._memory_due: dict[str, float] = {}  # canary id -> when its memory is sampled next
         self._memory_series: dict[str, list[tuple[str, str, str]]] = {}  # model -> memory gauge labels set
         self._throughput_due: dict[str, float] = {}  # canary id -> when Triton's statistics are read next
+        self._set_read_wait: dict[
+            str, float
+        ] = {}  # canary id -> since when fresh instances wait on a last reading
         self._known_due = 0.0  # when the repository's models are listed again for the metric labels
         # why the client path cannot serve ("" when it can), as `watch_readiness` last found it
         self.readiness = "Triton not probed yet"
@@ -305,6 +308,14 @@ class CanaryManager:
                 p.judge_params(), ev.placement, ev.placement_pairs(), disagree(canary.judgement)
             ):
                 return False
+            if str(ev.placement) not in ev.throughput_sets:
+                # This set's capacity window needs two readings of Triton's statistics after its warm-up, which
+                # its pairs can outrun: take them before its instances go (its vote counts in the capacity
+                # verdict), waiting three intervals at most (where the statistics cannot be read).
+                since = self._set_read_wait.setdefault(canary.id, time.monotonic())
+                if time.monotonic() - since < 3 * SAMPLE_INTERVAL_S:
+                    return False
+            self._set_read_wait.pop(canary.id, None)
             canary.replacing = True  # admit() samples nothing from here
         if len(canary.slots):
             return True  # the pair out comes back first: its two copies ran on the same instances
@@ -423,7 +434,7 @@ class CanaryManager:
     def _clear_memory_series(self) -> None:
         """Memory gauges of canaries that ended leave the exposition (a stale figure would read as current)."""
         live_ids = {c.id for c in self.canaries.values()}
-        for due in (self._memory_due, self._throughput_due):
+        for due in (self._memory_due, self._throughput_due, self._set_read_wait):
             for cid in [c for c in due if c not in live_ids]:
                 del due[cid]
         for model in [m for m in self._memory_series if m not in self.canaries]:

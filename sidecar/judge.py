@@ -697,10 +697,12 @@ class _Look:
         more of them than below. Until one or the other (a set's placement, or a busy neighbour on its cores,
         can hold one set back), the promotion waits and the canary loads another set (`placements_disagree`)."""
         ev, limit = self.ev, self.params.min_throughput_ratio
-        split = self.params.placements > 1 and len(ev.throughput_sets) > 1
-        # One set asked for (or one measured): the newest window decides, as latency's pairs are not split either.
-        sets = dict(ev.throughput_sets) if split else ({"0": ev.throughput} if ev.throughput else {})
-        fig = throughput_figures(throughput_pooled(sets) if split else ev.throughput)
+        # Each set's window under its own index; with one set asked for, the newest window alone decides (latency's
+        # pairs are not split either).
+        newest = {str(ev.placement): ev.throughput} if ev.throughput else {}
+        sets = dict(ev.throughput_sets) if self.params.placements > 1 and ev.throughput_sets else newest
+        split = len(sets) > 1
+        fig = throughput_figures(throughput_pooled(sets) if split else next(iter(sets.values()), {}))
         fig["min_ratio"] = limit
         self.stats["throughput"] = fig
         ratio = fig["ratio"]

@@ -262,6 +262,12 @@ def test_a_capacity_below_the_limit_on_one_set_of_instances_alone_is_not_a_pin()
     unmeasured = look(two, [0.7, None], fine)
     assert unmeasured.outcome == CONTINUE, unmeasured.reasons
     assert not disagree(unmeasured.to_dict()), unmeasured.stats["throughput"]
+    # The first set replaced before it was read: the second alone below the limit asks for a third.
+    only_second = judge(dataclasses.replace(_pairs(rng, fine), throughput=_capacity([0.7])["0"], placement=1,
+                                            throughput_sets={"1": _capacity([0.7])["0"]}), two, now=100, deadline=200)  # fmt: skip
+    assert only_second.outcome == CONTINUE and disagree(only_second.to_dict()), only_second.stats[
+        "throughput"
+    ]
     # Nor while fresh instances serve whose window has not appeared yet (Triton's second reading of them).
     fresh = look(two, [0.7], [(1000, 1.0), (500, 1.0)], serving=1)
     assert fresh.outcome == CONTINUE and not disagree(fresh.to_dict()), fresh.stats["throughput"]
