@@ -308,14 +308,6 @@ class CanaryManager:
                 p.judge_params(), ev.placement, ev.placement_pairs(), disagree(canary.judgement)
             ):
                 return False
-            if str(ev.placement) not in ev.throughput_sets:
-                # This set's capacity window needs two readings of Triton's statistics after its warm-up, which
-                # its pairs can outrun: take them before its instances go (its vote counts in the capacity
-                # verdict), waiting three intervals at most (where the statistics cannot be read).
-                since = self._set_read_wait.setdefault(canary.id, time.monotonic())
-                if time.monotonic() - since < 3 * SAMPLE_INTERVAL_S:
-                    return False
-            self._set_read_wait.pop(canary.id, None)
             canary.replacing = True  # admit() samples nothing from here
         if len(canary.slots):
             return True  # the pair out comes back first: its two copies ran on the same instances
@@ -434,7 +426,7 @@ class CanaryManager:
     def _clear_memory_series(self) -> None:
         """Memory gauges of canaries that ended leave the exposition (a stale figure would read as current)."""
         live_ids = {c.id for c in self.canaries.values()}
-        for due in (self._memory_due, self._throughput_due, self._set_read_wait):
+        for due in (self._memory_due, self._throughput_due):
             for cid in [c for c in due if c not in live_ids]:
                 del due[cid]
         for model in [m for m in self._memory_series if m not in self.canaries]:
