@@ -85,9 +85,6 @@ class CanaryManager:
         self._memory_due: dict[str, float] = {}  # canary id -> when its memory is sampled next
         self._memory_series: dict[str, list[tuple[str, str, str]]] = {}  # model -> memory gauge labels set
         self._throughput_due: dict[str, float] = {}  # canary id -> when Triton's statistics are read next
-        self._set_read_wait: dict[
-            str, float
-        ] = {}  # canary id -> since when fresh instances wait on a last reading
         self._known_due = 0.0  # when the repository's models are listed again for the metric labels
         # why the client path cannot serve ("" when it can), as `watch_readiness` last found it
         self.readiness = "Triton not probed yet"
