@@ -40,7 +40,14 @@ from sidecar.mirror_job import FORWARD_MIRROR_HEADERS, MirrorJob, Replayed
 from sidecar.rollback import apply_retention, finish_pending, pending_rollback
 from sidecar.semantics import SEQUENCE, ModelSemantics, parse_model_config, sequence_request
 from sidecar.state import StateStore
-from sidecar.throughput import ComputeReading, StatsError, capacity, instance_count, parse_statistics
+from sidecar.throughput import (
+    MIN_INFERENCES,
+    ComputeReading,
+    StatsError,
+    capacity,
+    instance_count,
+    parse_statistics,
+)
 from sidecar.throughput import evidence as throughput_evidence
 from sidecar.upstream import Headers, UpstreamPool, UpstreamResponse
 from tunegate.tolerance import ToleranceError, ToleranceSpec
@@ -305,6 +312,8 @@ class CanaryManager:
                 p.judge_params(), ev.placement, ev.placement_pairs(), disagree(canary.judgement)
             ):
                 return False
+            if await self._capacity_unread(canary):
+                return False  # this set serves on until Triton's counters hold a capacity of it
             canary.replacing = True  # admit() samples nothing from here
         if len(canary.slots):
             return True  # the pair out comes back first: its two copies ran on the same instances
@@ -314,6 +323,8 @@ class CanaryManager:
                 return True
             LOG.info("loading fresh instances of %s (versions %s) for canary %s after %d pairs on set %d",
                      shadow_name(model), canary.shadow_versions(), canary.id, ev.placement_pairs(), ev.placement)  # fmt: skip
+            # The set's capacity is read before its instances go: its pairs often outrun the reading interval.
+            await self._read_throughput(canary)
             try:
                 await self.control.stop_shadow(model)
                 await self.control.start_shadow(model, canary.candidate, canary.shadow_baseline())
@@ -325,12 +336,27 @@ class CanaryManager:
         self._fresh_instances(canary)
         return True
 
+    async def _capacity_unread(self, canary: Canary) -> bool:
+        """Whether the set serving now lacks a capacity window of MIN_INFERENCES a version (read now, off the
+        sampling interval): its pairs are counted from the warm-up and its first reading comes a tick or more
+        later, so its window can end short. The set then serves on, for at most half its `placement_pairs` again
+        (a set keeps up to 2 * MAX_SET_PAIRS - 1 ratios: the count reaches that); a capacity the judge is not asked
+        for (`min_throughput_ratio` 0) is not waited for, nor where so many pairs hold too few inferences (a set's
+        baseline runs about one per pair)."""
+        p, ev = canary.params, canary.evidence
+        most = p.placement_pairs + p.placement_pairs // 2
+        if p.min_throughput_ratio <= 0 or most < MIN_INFERENCES or ev.placement_pairs() >= most:
+            return False
+        await self._read_throughput(canary)
+        window = ev.throughput_sets.get(str(ev.placement)) or {}
+        return len(window) < 2 or any(v[0] < MIN_INFERENCES for v in window.values())
+
     def _fresh_instances(self, canary: Canary) -> None:
         """New instances serve the shadow: the pairs that follow are a new placement's, after their own warm-up,
         and Triton's compute counters start a new window."""
         canary.evidence.new_placement(time.time())
         canary.throughput_first = {}
-        self._throughput_due[canary.id] = time.monotonic() + max(canary.params.warmup_s, SAMPLE_INTERVAL_S)
+        self._throughput_due[canary.id] = 0.0  # the first reading as soon as the new set is warm
         self._dirty = True
 
     async def _semantics(self, model: str) -> ModelSemantics:
@@ -373,13 +399,22 @@ class CanaryManager:
         self._dirty = True
 
     async def _sample_throughput(self, canary: Canary) -> None:
-        """From the judge tick, at most every SAMPLE_INTERVAL_S once the warm-up is over: Triton's compute counters
-        of each version (sidecar.throughput); the window since the first such reading goes into the evidence."""
+        """From the judge tick, at most every SAMPLE_INTERVAL_S once the current set of instances is warm:
+        Triton's compute counters of each version (sidecar.throughput); the window since the set's first such
+        reading goes into the evidence, as the set's own."""
         p, now = canary.params, time.monotonic()
         if now < self._throughput_due.get(canary.id, 0.0):
             return
+        if not canary.evidence.warm(canary.started, p.warmup_samples, p.warmup_s, time.time()):
+            return  # asked again on the next tick: the first reading comes when the warm-up ends
         self._throughput_due[canary.id] = now + SAMPLE_INTERVAL_S
-        if time.time() < canary.started + p.warmup_s or canary.evidence.compared < p.warmup_samples:
+        await self._read_throughput(canary)
+
+    async def _read_throughput(self, canary: Canary) -> None:
+        """One reading of Triton's compute counters for the current set of instances (its first, or its window's
+        end), unless the set is still warming up (cold inferences are slow for reasons that pass)."""
+        p = canary.params
+        if not canary.evidence.warm(canary.started, p.warmup_samples, p.warmup_s, time.time()):
             return
         readings: dict[str, ComputeReading] = {}
         placement = canary.evidence.placement

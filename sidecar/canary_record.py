@@ -15,8 +15,7 @@ from sidecar.memory import MemoryProbe
 from sidecar.mirror import MirrorSlots
 from sidecar.semantics import ModelSemantics
 from sidecar.state import EvidenceCounter
-from sidecar.throughput import ComputeReading
-from sidecar.throughput import figures as throughput_figures
+from sidecar.throughput import ComputeReading, figures_over_sets, judged_windows
 from tunegate.errors import TunegateError
 from tunegate.tolerance import ToleranceSpec
 
@@ -154,7 +153,11 @@ class Canary:
         d["evidence"] = ev
         d["in_flight"] = len(self.slots)
         d["paused"] = self.paused
+        d["loading_instances"] = self.replacing  # fresh instances of the shadow on the way: nothing sampled
         d["memory"] = self.memory
-        d["throughput"] = throughput_figures(self.evidence.throughput)
+        # The capacity as the judge weighs it: with several sets of instances, pooled, and each set's ratio.
+        c = self.evidence
+        windows = judged_windows(c.throughput_sets, c.throughput, c.placement, self.params.placements)
+        d["throughput"] = figures_over_sets(windows)
         d["mirror_budget"] = self.budget.status()
         return d

@@ -56,8 +56,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sidecar.throughput import figures as throughput_figures
-from sidecar.throughput import pooled as throughput_pooled
+from sidecar.throughput import figures_over_sets, judged_windows
 from tunegate.stats import difference_lower, difference_upper, rate_lower, rate_upper
 
 
@@ -699,19 +698,15 @@ class _Look:
         ev, limit = self.ev, self.params.min_throughput_ratio
         # Each set's window under its own index; with one set asked for, the newest window alone decides (latency's
         # pairs are not split either).
-        newest = {str(ev.placement): ev.throughput} if ev.throughput else {}
-        sets = dict(ev.throughput_sets) if self.params.placements > 1 and ev.throughput_sets else newest
-        split = len(sets) > 1
-        fig = throughput_figures(throughput_pooled(sets) if split else next(iter(sets.values()), {}))
+        sets = judged_windows(ev.throughput_sets, ev.throughput, ev.placement, self.params.placements)
+        fig = figures_over_sets(sets)
         fig["min_ratio"] = limit
         self.stats["throughput"] = fig
         ratio = fig["ratio"]
-        per_set = {q: throughput_figures(w)["ratio"] for q, w in sorted(sets.items())}
+        per_set = fig.get("sets") or {q: fig["ratio"] for q in sets}
         judged = [r for r in per_set.values() if r is not None]
         below = sum(r < limit for r in judged)
         above = len(judged) - below
-        if split:
-            fig["sets"] = per_set
         need = max(1, self.params.placements)
         if ratio is None or not below or (above >= need and above > below):
             return

@@ -132,3 +132,22 @@ def figures(held: Mapping[str, Any]) -> dict[str, Any]:
     c, b = caps.get("candidate"), caps.get("baseline")
     out["ratio"] = c / b if c and b else None
     return out
+
+
+def judged_windows(sets: Mapping[str, Mapping[str, Any]], newest: Mapping[str, Any], placement: int,
+                   placements: int) -> dict[str, Mapping[str, Any]]:  # fmt: skip
+    """The windows the judge reads a capacity from, by set of instances: each set's own where `placements` > 1
+    are asked for, else the newest window alone (under the set serving now)."""
+    if placements > 1 and sets:
+        return dict(sets)
+    return {str(placement): newest} if newest else {}
+
+
+def figures_over_sets(windows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """`figures` of the windows together (pooled where there are several, with each set's own ratio under
+    "sets"): the capacity the judge weighs, as the status and the decision record show it."""
+    if len(windows) <= 1:
+        return figures(next(iter(windows.values()), {}))
+    fig = figures(pooled(windows))
+    fig["sets"] = {q: figures(w)["ratio"] for q, w in sorted(windows.items())}
+    return fig

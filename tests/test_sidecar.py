@@ -178,14 +178,21 @@ async def test_good_candidate_is_promoted(sidecar: Sidecar, client: aiohttp.Clie
     assert (repo / shadow_name("good") / "2").resolve() == (repo / "good" / "2").resolve()
     stubs: dict[int, set[int]] = {}  # set of instances -> the shadow's stub processes seen while it served
 
+    async def serving_set() -> int | str:
+        """The set of instances serving now; "loading" while fresh ones load (their processes start before the
+        canary's status names their set), "ended" once decided."""
+        async with client.get(f"{sidecar.url}/canary/good", headers=AUTH) as r:
+            st = await r.json()
+        c = st.get("canary")
+        if c is None or st["state"] in ("promoted", "pinned"):
+            return "ended"
+        return "loading" if c["loading_instances"] else int(c["evidence"]["placement"])
+
     async def watch_stubs() -> None:
-        while True:
-            async with client.get(f"{sidecar.url}/canary/good", headers=AUTH) as r:
-                st = await r.json()
-            if st.get("canary") is None or st["state"] in ("promoted", "pinned"):
-                return
+        while (before := await serving_set()) != "ended":
             pids = {s.pid for s in scan_stubs() if s.model == shadow_name("good")}
-            stubs.setdefault(st["canary"]["evidence"]["placement"], set()).update(pids)
+            if isinstance(before, int) and await serving_set() == before:
+                stubs.setdefault(before, set()).update(pids)
             await asyncio.sleep(0.2)
 
     seen, _ = await asyncio.gather(drive(client, sidecar.url, "good"), watch_stubs())

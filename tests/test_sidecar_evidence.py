@@ -175,7 +175,7 @@ async def test_throughput_from_tritons_statistics(sidecar: str) -> None:
     # As the sidecar judges by default (two placements), the pin held on each set of instances, not on one.
     judged = [r for r in thr["sets"].values() if r is not None]
     assert len(judged) >= 2 and all(r < 0.6 for r in judged), thr
-    # The first set's pairs can outrun Triton's two readings of it: then a dispute on the second (one set below,
-    # not yet two) asks for a third, and the two read decide.
-    assert any("on 2 of 2 sets of instances" in x or "on 3 of 3 sets" in x for x in rec["reasons"]), (rec["reasons"],
-                                                                                                     thr)  # fmt: skip
+    # Each set is read before its instances go (its pairs outrun the reading interval): the first two decide.
+    print(f"\nthrslow: {rec['reasons']}; {thr}")
+    assert thr["sets"].get("0") is not None and thr["sets"].get("1") is not None, thr
+    assert any("on 2 of 2 sets of instances" in x for x in rec["reasons"]), (rec["reasons"], thr)

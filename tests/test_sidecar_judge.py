@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from benchmarks.judge_sim import SCENARIOS, Scenario, run_one
+from sidecar.canary_record import Canary
 from sidecar.config import CanaryParams
 from sidecar.judge import (
     BLOCK,
@@ -39,6 +40,7 @@ from tunegate.stats import (
     rate_upper,
     samples_to_show_below,
 )
+from tunegate.tolerance import ToleranceSpec
 
 PARAMS = JudgeParams()  # hand-made evidence: the pairs are not split by sets of instances
 CANARY = CanaryParams().judge_params()  # simulated canaries: as the sidecar judges them (two placements)
@@ -257,8 +259,8 @@ def test_a_capacity_below_the_limit_on_one_set_of_instances_alone_is_not_a_pin()
     assert any("capacity below 0.80 on 1 of 2 sets" in r for r in j.reasons), j.reasons
     assert disagree(j.to_dict())
     assert j.stats["throughput"]["sets"] == pytest.approx({"0": 0.7, "1": 1.0})
-    # The first set alone below the limit, the second not yet measured: the same wait (the old rule pinned here),
-    # and no third set asked for before the second is measured.
+    # The first set alone below the limit, the second not yet measured: the same wait (a rule on the newest window
+    # alone promoted here), and no third set asked for before the second is measured.
     unmeasured = look(two, [0.7, None], fine)
     assert unmeasured.outcome == CONTINUE, unmeasured.reasons
     assert not disagree(unmeasured.to_dict()), unmeasured.stats["throughput"]
@@ -282,6 +284,27 @@ def test_a_capacity_below_the_limit_on_one_set_of_instances_alone_is_not_a_pin()
     # A third set agreeing with the good one outvotes the outlier; one agreeing with the bad one pins.
     assert look(two, [0.7, 1.0, 1.0], [(600, 1.0), (400, 1.0), (600, 1.0)]).outcome == PROMOTE
     assert look(two, [0.7, 1.0, 0.7], [(600, 1.0), (400, 1.0), (600, 1.0)]).outcome == PIN
+
+
+def test_the_canary_status_shows_the_capacity_the_judge_weighs() -> None:
+    """With several sets of instances, the status's capacity is the judge's: all sets pooled, each set's ratio
+    beside it (not the newest set's window alone, which may be the one set that disagrees)."""
+    caps = _capacity([0.7, 1.0])
+    canary = Canary(id="c1", model="m", candidate=2, baseline=1, started=0.0, deadline=300.0,
+                    params=CanaryParams(placements=2), tolerance=ToleranceSpec.from_dict({"y": {"metric": "linf", "threshold": 1e-6}}),
+                    tolerance_source="request",
+                    evidence=EvidenceCounter(throughput=caps["1"], throughput_sets=caps, placement=1))  # fmt: skip
+    shown = canary.status()["throughput"]
+    weighed = judge(canary.evidence.snapshot(), canary.params.judge_params(), now=100, deadline=300)
+    weighed_fig = weighed.stats["throughput"]
+    assert shown["sets"] == pytest.approx({"0": 0.7, "1": 1.0}) == weighed_fig["sets"]
+    assert shown["ratio"] == pytest.approx(weighed_fig["ratio"]) and 0.7 < shown["ratio"] < 1.0
+    assert shown["candidate_inferences"] == 2000
+    # One set asked for: the newest window, as the judge reads it.
+    one = dataclasses.replace(canary, params=CanaryParams(placements=1))
+    assert "sets" not in one.status()["throughput"] and one.status()["throughput"]["ratio"] == pytest.approx(
+        1.0
+    )
 
 
 def test_when_a_canary_loads_fresh_instances() -> None:
