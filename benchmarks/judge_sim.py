@@ -4,7 +4,8 @@ Each scenario is a stream of mirrored requests as the sidecar sees them: request
 with their own base latency), paired latencies (a contention factor common to both versions of a pair,
 each version's own jitter, spikes, heavy tails, drift), out-of-tolerance outcomes (independent, clustered
 in runs, tied to one request class), errors and timeouts on either side, A/A replays, and a placement per set
-of instances (the candidate's process faster or slower than the baseline's for as long as it lives). The judge
+of instances (the candidate's process faster or slower than the baseline's for as long as it lives), and in the
+capacity scenarios each set's window of Triton's compute counters, as the canary reads it. The judge
 (`sidecar.judge.judge`, unchanged) is asked every LOOK samples, as the sidecar asks it once a second, up
 to the deadline; after each look, fresh instances are loaded where the canary would load them
 (`wants_placement`), their first WARMUP samples unpaired. Each scenario runs over SEEDS seeds.
@@ -82,6 +83,14 @@ class Scenario:
     placement: float = 0.0
     placement_out: float = 0.0
     placement_out_sigma: float = 0.0
+    # Capacity (Triton's compute time per inference, sidecar.throughput): the candidate's true ratio to the
+    # baseline's, each set of instances' measured ratio off it by a lognormal `capacity_noise`, and with
+    # probability `capacity_out` a set whose candidate process shares its cores with a busy neighbour
+    # (`capacity_out_factor` of its true ratio). None: no capacity read (the judge's capacity check idle).
+    capacity_ratio: float | None = None
+    capacity_noise: float = 0.0
+    capacity_out: float = 0.0
+    capacity_out_factor: float = 1.0
     rate: float = 20.0  # mirrored requests per second (the judge looks once a second)
     deadline_s: float = DEFAULTS.deadline_s  # the canary's default deadline
 
@@ -95,6 +104,12 @@ class Scenario:
 # paired p50 ratios, 60 canaries on a 2-core machine): most within a lognormal sigma of 2%, about 1 in 25 far off
 # (0.864, 0.928 for a 1.15x slower one, 1.071).
 PLACEMENT: dict[str, float] = {"placement": 0.02, "placement_out": 0.04, "placement_out_sigma": 0.12}
+
+# Capacity per set of instances. Quiet: identical candidates on the real Triton read 0.8-1.25 (asserted) and
+# mostly within a few per cent; a nice-19 busy loop on each core held one set at 0.68 and 0.78 of the baseline's
+# in 2 of 7 canaries (docs/design.md, "Memory and capacity"): here a set meets such a neighbour with p 0.3.
+CAPACITY: dict[str, Any] = {"capacity_ratio": 1.0, "capacity_noise": 0.05}
+CAPACITY_NEIGHBOUR: dict[str, Any] = {**CAPACITY, "capacity_out": 0.3, "capacity_out_factor": 0.73}
 
 SCENARIOS = (
     Scenario("identical", "good", "identical candidate, common contention, 8% jitter per side"),
@@ -160,6 +175,36 @@ SCENARIOS = (
         latency_ratio=1.10,
         **PLACEMENT,
     ),
+    Scenario(
+        "identical-capacity",
+        "good",
+        "identical; each set's capacity ratio measured with 5% sigma",
+        **CAPACITY,
+    ),
+    Scenario(
+        "identical-capacity-neighbour",
+        "good",
+        "identical; a busy neighbour on 30% of sets (0.73 of the capacity: 0.68, 0.78 measured)",
+        **CAPACITY_NEIGHBOUR,
+    ),
+    Scenario(
+        "identical-capacity-neighbour-10",
+        "good",
+        "identical; a busy neighbour on 10% of sets",
+        **{**CAPACITY_NEIGHBOUR, "capacity_out": 0.1},
+    ),
+    Scenario(
+        "capacity-0.7",
+        "bad",
+        "capacity 0.7 of the baseline's (limit 0.8), same latency; 5% sigma",
+        **{**CAPACITY, "capacity_ratio": 0.7},
+    ),
+    Scenario(
+        "capacity-0.7-neighbour",
+        "bad",
+        "capacity 0.7, busy neighbour on 30% of sets",
+        **{**CAPACITY_NEIGHBOUR, "capacity_ratio": 0.7},
+    ),
     Scenario("oot-at-budget", "edge", "out of tolerance exactly at the 0.5% budget", oot_rate=0.005),
 )
 
@@ -175,6 +220,8 @@ class Stream:
     aa_err: np.ndarray
     # each set of instances' placement: the candidate's latency factor against the baseline's on it
     placement: np.ndarray = dataclasses.field(default_factory=lambda: np.ones(MAX_PLACEMENTS))
+    # each set's measured capacity ratio (candidate's over baseline's), or None: none read
+    capacity: np.ndarray | None = None
 
 
 def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
@@ -211,6 +258,11 @@ def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
         for k in range(MAX_PLACEMENTS):  # each set of instances draws its own
             sigma = sc.placement_out_sigma if rng.random() < sc.placement_out else sc.placement
             placement[k] = math.exp(rng.normal(0.0, sigma))
+    capacity = None
+    if sc.capacity_ratio is not None:
+        capacity = sc.capacity_ratio * np.exp(rng.normal(0.0, sc.capacity_noise, MAX_PLACEMENTS))
+        capacity = np.where(rng.random(MAX_PLACEMENTS) < sc.capacity_out, capacity * sc.capacity_out_factor,
+                            capacity)  # fmt: skip
     candidate = common * ratio * side()
     cls = names[ci]
     # Non-determinism: each execution of the baseline (the primary, its A/A replay) and of a candidate that
@@ -230,7 +282,7 @@ def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
     oot |= odd_primary | (rng.random(n) < q)  # the candidate inherits the baseline's own non-determinism
     err = rng.random(n) < sc.error_rate
     aa_err = rng.random(n) < sc.aa_error_rate
-    return Stream(cls, primary, candidate, oot, aa_oot, err, aa_err, placement)
+    return Stream(cls, primary, candidate, oot, aa_oot, err, aa_err, placement, capacity)
 
 
 class Prefix:
@@ -238,6 +290,7 @@ class Prefix:
 
     def __init__(self, st: Stream, aa_every: int) -> None:
         self.st, self.aa_every = st, aa_every
+        self.rate = 20.0  # mirrored requests a second: the serving set's capacity lags by a reading interval
         ok = ~st.err
         oot_ok = st.oot & ok
         self.c_ok, self.c_oot, self.c_err = (np.cumsum(a, dtype=np.int64) for a in (ok, oot_ok, st.err))
@@ -291,6 +344,8 @@ class Prefix:
             done_sets, done_ratios = self.pair_set[:pairs_total], self.pair_ratio[:pairs_total]
             per_set = {int(q): done_ratios[done_sets == q][-MAX_SET_PAIRS:] for q in np.unique(done_sets)}
         classes = {c: [int(n[i - 1]), int(k[i - 1])] for c, (n, k) in self.classes.items() if n[i - 1] > 0}
+        current = int(self.reloads.size)
+        windows = self.capacity_windows(pairs_total, current)
         return Evidence(
             compared=compared, out_of_tolerance=int(self.c_oot[i - 1]), sent=i, errors=int(self.c_err[i - 1]),
             timeouts=0, aa_sent=m, paired_sent=m, **aa,
@@ -298,7 +353,27 @@ class Prefix:
             pair_placement=sets if self.split else (), placement_ratios=per_set,
             pairs_total=pairs_total, blocks=self.blocks[: compared // BLOCK], classes=classes,
             expected_classes=expected, started=0.0,
+            throughput=windows.get(str(current), {}), throughput_sets=windows, placement=current,
         )  # fmt: skip
+
+    def capacity_windows(self, pairs_total: int, current: int) -> dict[str, dict[str, list[int]]]:
+        """Each set's window of Triton's counters as the canary reads it (sidecar.canary): from its warm-up to its
+        last reading, one baseline and one candidate inference a pair, compute times at the set's measured ratio.
+        The serving set's window is as of the last 5 s reading (a set's first reading opens it)."""
+        cap = self.st.capacity
+        if cap is None:
+            return {}
+        lag = 5 * round(self.rate)  # pairs since the last reading, at most
+        out = {}
+        sets = self.pair_set[:pairs_total]
+        for q in range(current + 1):
+            n = int((sets == q).sum())
+            if q == current:
+                n = max(0, n - lag)
+            if n:
+                base_ns = n * 2_000_000
+                out[str(q)] = {"baseline": [n, n, base_ns, 1], "candidate": [n, n, int(base_ns / cap[q]), 1]}
+        return out
 
 
 def evidence_at(st: Stream, i: int, sc: Scenario, aa_every: int, expected: dict[str, float]) -> Evidence:
@@ -315,6 +390,7 @@ def run_one(sc: Scenario, seed: int, params: JudgeParams, aa_every: int) -> tupl
         expected["rare"] = sc.oot_rate  # the bad class is in the traffic the gate saw
     deadline_t = sc.deadline / sc.rate
     prefix = Prefix(st, aa_every)
+    prefix.rate = sc.rate
     prefix.reload((), split=params.placements > 1)
     reloads: list[int] = []
     for i in range(look, sc.deadline + 1, look):

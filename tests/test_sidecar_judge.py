@@ -114,6 +114,17 @@ def test_regressions_are_not_promoted(name: str, reason: str) -> None:
     assert all(reason in r[2] for r in pinned), {r[2] for r in pinned}
 
 
+def test_simulated_capacity_pins_a_slower_candidate_and_not_an_identical_one() -> None:
+    """The capacity stream of the simulation (each set of instances' window as the canary reads it): a candidate
+    sustaining 0.7 of the baseline's rate is pinned for it, before any promotion; an identical one measured
+    with 5% noise a set is promoted."""
+    slow = outcomes(BY_NAME["capacity-0.7"], 25)
+    assert all(r[0] == PIN and "sustains less throughput" in r[2] for r in slow), {r[2] for r in slow}
+    assert all("on 2 of 2 sets" in r[2] or "of 3 sets" in r[2] for r in slow), {r[2] for r in slow}
+    same = outcomes(BY_NAME["identical-capacity"], 25)
+    assert all(r[0] == PROMOTE for r in same), [r for r in same if r[0] != PROMOTE][:3]
+
+
 def test_a_tail_regression_is_pinned_within_2000_samples() -> None:
     res = outcomes(BY_NAME["tail"], 40)
     assert sum(1 for r in res if r[0] == PIN and r[1] <= 2000) >= 38
