@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   for s, m in setups.items() if s != "passthrough"}  # fmt: skip
         budgets = {s: (admin.status(m)["canary"] or {}).get("mirror_budget")
                    for s, m in setups.items() if budget_of.get(s)}  # fmt: skip
+        canaries = {s: canary_summary(admin.status(m)) for s, m in setups.items() if s != "passthrough"}
     results = {name: {c: median_run(runs) for c, runs in per.items()} for name, per in raw.items()}
     ratios: dict[str, dict[int, dict[str, float]]] = {}
     for name, per in raw.items():
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"results": results, "p99_vs_passthrough": ratios, "pooled": pooled(lat, args.seed), "runs": raw,
             "duration_s": args.duration,
             "nice_sidecar": args.nice_sidecar,
-            "repeats": args.repeats, "replay_errors": errors, "budgets": budgets}  # fmt: skip
+            "repeats": args.repeats, "replay_errors": errors, "budgets": budgets, "canaries": canaries}  # fmt: skip
 
 
 def pooled_p99(rounds: list[np.ndarray], pick: np.ndarray | None = None) -> float:
@@ -218,6 +219,15 @@ def pooled(
                 row["vs_identical"] = pooled_ratio(rounds, lat[twin][c], rng)
             out.setdefault(name, {})[c] = row
     return out
+
+
+def canary_summary(status: Mapping[str, Any]) -> dict[str, Any]:
+    """What each canary did by the end: its state, the copies it sent, compared and skipped (and why), paused."""
+    c = status.get("canary") or {}
+    ev = c.get("evidence") or {}
+    keep = ("sent", "compared", "errors", "timeouts", "skipped", "aa_sent", "pairs_total", "protocols")
+    return {"state": status.get("state"), "paused": c.get("paused"), **{k: ev.get(k) for k in keep},
+            "judgement": (c.get("judgement") or {}).get("outcome")}  # fmt: skip
 
 
 def compared(admin: AdminClient, model: str) -> int:

@@ -101,7 +101,8 @@ PERF_ANALYZER = perf.executable()
 
 
 def perf_analyzer(address: str, model: str, concurrency: int, duration_s: float, work: Path,
-                  env: dict[str, str], latencies: list[np.ndarray] | None = None) -> dict[str, float]:  # fmt: skip
+                  env: dict[str, str], latencies: list[np.ndarray] | None = None,
+                  _retry: bool = False) -> dict[str, float]:  # fmt: skip
     """One perf_analyzer measurement: 3 windows of `duration_s`/3 at a fixed concurrency (stability not required).
     With `latencies`, every request's latency (ms) in those windows is appended to it as one array (perf_analyzer's
     profile export), so that rounds can be pooled."""
@@ -123,7 +124,17 @@ def perf_analyzer(address: str, model: str, concurrency: int, duration_s: float,
     with open(out, newline="") as f:
         row = next(csv.DictReader(f))
     if latencies is not None:
-        latencies.append(window_latencies_ms(json.loads(export.read_text())))
+        text = export.read_text() if export.exists() else ""
+        if (
+            not text.strip()
+        ):  # seen once on a 16-core host: an empty export after a clean exit; measured again
+            if _retry:
+                raise RuntimeError(f"perf_analyzer wrote an empty profile export twice ({model}, c={concurrency}):\n"
+                                   f"{proc.stdout[-800:]}{proc.stderr[-800:]}")  # fmt: skip
+            print(f"perf_analyzer wrote an empty profile export ({model}, c={concurrency}); measuring again",
+                  file=sys.stderr)  # fmt: skip
+            return perf_analyzer(address, model, concurrency, duration_s, work, env, latencies, _retry=True)
+        latencies.append(window_latencies_ms(json.loads(text)))
     return {"rps": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1000,
             "p99_ms": float(row["p99 latency"]) / 1000, "seconds": window_ms * 3 / 1000}  # fmt: skip
 
