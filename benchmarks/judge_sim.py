@@ -288,9 +288,9 @@ def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
 class Prefix:
     """Running counts of a stream, so that the evidence at any look costs O(classes + held pairs), not O(samples)."""
 
-    def __init__(self, st: Stream, aa_every: int) -> None:
+    def __init__(self, st: Stream, aa_every: int, rate: float = 20.0) -> None:
         self.st, self.aa_every = st, aa_every
-        self.rate = 20.0  # mirrored requests a second: the serving set's capacity lags by a reading interval
+        self.rate = rate  # mirrored requests a second: the serving set's capacity lags by a reading interval
         ok = ~st.err
         oot_ok = st.oot & ok
         self.c_ok, self.c_oot, self.c_err = (np.cumsum(a, dtype=np.int64) for a in (ok, oot_ok, st.err))
@@ -378,7 +378,7 @@ class Prefix:
 
 def evidence_at(st: Stream, i: int, sc: Scenario, aa_every: int, expected: dict[str, float]) -> Evidence:
     """The evidence after the first i samples (one-off; run_one keeps a Prefix)."""
-    return Prefix(st, aa_every).evidence(i, expected)
+    return Prefix(st, aa_every, sc.rate).evidence(i, expected)
 
 
 def run_one(sc: Scenario, seed: int, params: JudgeParams, aa_every: int) -> tuple[str, int, str]:
@@ -389,8 +389,7 @@ def run_one(sc: Scenario, seed: int, params: JudgeParams, aa_every: int) -> tupl
     if sc.run_length > 1:
         expected["rare"] = sc.oot_rate  # the bad class is in the traffic the gate saw
     deadline_t = sc.deadline / sc.rate
-    prefix = Prefix(st, aa_every)
-    prefix.rate = sc.rate
+    prefix = Prefix(st, aa_every, sc.rate)
     prefix.reload((), split=params.placements > 1)
     reloads: list[int] = []
     for i in range(look, sc.deadline + 1, look):

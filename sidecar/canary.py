@@ -402,20 +402,17 @@ class CanaryManager:
         """From the judge tick, at most every SAMPLE_INTERVAL_S once the current set of instances is warm:
         Triton's compute counters of each version (sidecar.throughput); the window since the set's first such
         reading goes into the evidence, as the set's own."""
-        p, now = canary.params, time.monotonic()
-        if now < self._throughput_due.get(canary.id, 0.0):
-            return
-        if not canary.evidence.warm(canary.started, p.warmup_samples, p.warmup_s, time.time()):
-            return  # asked again on the next tick: the first reading comes when the warm-up ends
-        self._throughput_due[canary.id] = now + SAMPLE_INTERVAL_S
-        await self._read_throughput(canary)
+        if time.monotonic() >= self._throughput_due.get(canary.id, 0.0):
+            await self._read_throughput(canary)
 
     async def _read_throughput(self, canary: Canary) -> None:
         """One reading of Triton's compute counters for the current set of instances (its first, or its window's
-        end), unless the set is still warming up (cold inferences are slow for reasons that pass)."""
+        end), unless the set is still warming up (cold inferences are slow for reasons that pass; asked again on
+        the next tick). Any reading puts the next scheduled one SAMPLE_INTERVAL_S off."""
         p = canary.params
         if not canary.evidence.warm(canary.started, p.warmup_samples, p.warmup_s, time.time()):
             return
+        self._throughput_due[canary.id] = time.monotonic() + SAMPLE_INTERVAL_S
         readings: dict[str, ComputeReading] = {}
         placement = canary.evidence.placement
         try:

@@ -10,8 +10,8 @@ the difference from a first reading taken once the warm-up is over (a cold model
 slow for reasons that pass). Fresh instances (the judge's placements) start a new window, and each set of
 instances keeps its own: a process's placement can make one instance lastingly slower, and the judge's
 capacity pin, like its latency pins, must hold on the sets of instances (sidecar.judge). With shadow latency
-pairing both are versions of the shadow model and get the very same requests, one pair at a time; with primary pairing the baseline is the live version, which
-serves the clients' traffic of the same mix. The ratio of the two capacities is the candidate's
+pairing both are versions of the shadow model and get the very same requests, one pair at a time; with
+primary pairing the baseline is the live version, which serves the clients' traffic of the same mix. The ratio of the two capacities is the candidate's
 throughput against the baseline's on the captured request mix; the judge pins a candidate whose ratio
 is below `min_throughput_ratio` once both versions ran MIN_INFERENCES inferences in the window.
 
