@@ -12,7 +12,14 @@ import pytest
 from tests.conftest import http
 from tunegate import codec
 from tunegate.textdata import Tokenizer
-from tunegate.triton import EmbeddedTriton, TritonOptions, TritonStartError, process_group_alive
+from tunegate.triton import (
+    EmbeddedTriton,
+    TritonDistribution,
+    TritonOptions,
+    TritonStartError,
+    process_group_alive,
+    server_env,
+)
 
 pytestmark = pytest.mark.triton
 
@@ -84,3 +91,18 @@ def test_broken_repository_fails_fast_with_log_tail(tmp_path: Path) -> None:
 def test_missing_repository_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(TritonStartError, match="does not exist"):
         EmbeddedTriton(TritonOptions(repository=tmp_path / "nope")).start()
+
+
+def test_the_stub_finds_packages_in_this_processs_order(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The python backend's stub is another Python process: a PYTHONPATH entry must come before the site-packages
+    there too, as it does here (a PYTHONPATH carrying numpy<2 beside a system numpy 2 otherwise loses in the stub
+    alone, and the backend answers empty outputs)."""
+    import site
+
+    ours = tmp_path / "pinned"
+    monkeypatch.setenv("PYTHONPATH", f"{ours}:{tmp_path / 'second'}")
+    paths = server_env(TritonDistribution.locate(), ["/project"])["PYTHONPATH"].split(":")
+    assert paths[:3] == ["/project", str(ours), str(tmp_path / "second")], paths
+    assert all(paths.index(str(ours)) < paths.index(s) for s in site.getsitepackages()), paths

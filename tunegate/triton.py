@@ -114,11 +114,12 @@ def server_env(dist: TritonDistribution, extra_pythonpath: Sequence[str] = ()) -
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     parts = [p for p in (libdir, str(dist.libs), env.get("LD_LIBRARY_PATH", "")) if p]
     env["LD_LIBRARY_PATH"] = ":".join(parts)
-    # The stub is a separate Python process: give it this environment's packages.
-    py_paths = [*extra_pythonpath, *site.getsitepackages()]
-    if env.get("PYTHONPATH"):
-        py_paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = ":".join(dict.fromkeys(py_paths))
+    # The stub is a separate Python process: give it this environment's packages, in this process's order (its
+    # PYTHONPATH before its site-packages). Behind the site-packages, a PYTHONPATH that brings numpy<2 beside a
+    # system numpy 2 lost to it in the stub alone, and the python backend's outputs came back empty.
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    py_paths = [*extra_pythonpath, *inherited, *site.getsitepackages()]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(py_paths))
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     return env
 
