@@ -139,7 +139,7 @@ async def test_a_candidate_slower_only_on_the_longest_shape_is_pinned_naming_it(
 async def test_throughput_from_tritons_statistics(sidecar: str) -> None:
     """Capacity per version from Triton's compute time: about equal for an identical candidate, and a candidate
     doing three times the work is pinned on it (latency limits opened so that only throughput decides), on
-    each of two sets of instances."""
+    each of three sets of instances."""
     only_throughput = {"candidate": 2, "latency_slack": 9.0, "deadline_s": 120, "warmup_s": 3.0}
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{sidecar}/canary/thrsame", json=only_throughput, headers=AUTH) as r:
@@ -172,10 +172,11 @@ async def test_throughput_from_tritons_statistics(sidecar: str) -> None:
         thr["ratio"] < 0.6
         and thr["candidate_compute_ms_per_inference"] > thr["baseline_compute_ms_per_inference"]
     )
-    # As the sidecar judges by default (two placements), the pin held on each set of instances, not on one.
+    # As the sidecar judges by default (two placements), the pin held on each set of instances, not on one: on
+    # three of them, one more than `placements` (a busy neighbour can hold one set of an identical candidate back).
     judged = [r for r in thr["sets"].values() if r is not None]
-    assert len(judged) >= 2 and all(r < 0.6 for r in judged), thr
-    # Each set is read before its instances go (its pairs outrun the reading interval): the first two decide.
+    assert len(judged) >= 3 and all(r < 0.6 for r in judged), thr
+    # Each set is read before its instances go (its pairs outrun the reading interval): the first three decide.
     print(f"\nthrslow: {rec['reasons']}; {thr}")
-    assert thr["sets"].get("0") is not None and thr["sets"].get("1") is not None, thr
-    assert any("on 2 of 2 sets of instances" in x for x in rec["reasons"]), (rec["reasons"], thr)
+    assert all(thr["sets"].get(q) is not None for q in ("0", "1", "2")), thr
+    assert any("on 3 of 3 sets of instances" in x for x in rec["reasons"]), (rec["reasons"], thr)
