@@ -194,7 +194,9 @@ class CanaryManager:
     def offer(self, model: str, body: bytes, headers: Headers, primary: UpstreamResponse, primary_s: float,
               request_id: str, protocol: str = "http", presampled: bool = False, admitted: bool = False) -> None:  # fmt: skip
         """Mirror one answered client request (its raw header pairs; a gRPC one written as its HTTP equivalent,
-        sidecar.grpc_front); returns at once. `admitted`: `admit` has said yes to it just now."""
+        sidecar.grpc_front); returns at once. `admitted`: `admit` has said yes to it just now. Only answered (200)
+        requests are sampled: Triton's errors go back to the client and are counted there
+        (`tunegate_requests_total{role="primary"}` by code), not as the canary's."""
         if primary.status != 200:
             return
         canary = self.canaries.get(model) if admitted else self.admit(model, primary_s, presampled)

@@ -311,6 +311,8 @@ def _offer(manager: CanaryManager, req: pb.ModelInferRequest, raw_resp: bytes, s
         LOG.debug("gRPC request not mirrored: %s", exc)
     except Exception:  # a bug here must never reach the client path
         LOG.exception("gRPC mirror offer failed")
+        if canary is not None:
+            manager.skipped(canary, "internal")
 
 
 def shape_refusal(req: pb.ModelInferRequest, size: int) -> str:

@@ -27,8 +27,11 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.utils import floatToGoString
 
 ROLES = ("primary", "candidate", "aa")
-# as sidecar.semantics; gRPC requests with shared-memory tensors, or none the HTTP protocol can carry
-SKIP_REASONS = ("sequence", "decoupled", "shared_memory", "untranslatable")
+# Why a sampled request gives the canary no evidence: its semantics (as sidecar.semantics); a gRPC request with
+# shared-memory tensors, or one the HTTP protocol cannot carry; a primary answer (200) the comparison cannot use
+# (not decodable, no output, or none the tolerance names: sidecar.mirror.judged_spec); a failure of
+# the mirror's own code (logged).
+SKIP_REASONS = ("sequence", "decoupled", "shared_memory", "untranslatable", "primary_unusable", "internal")
 PROTOCOLS = ("http", "grpc")
 CANARY_STATES = ("idle", "running", "promoted", "pinned", "rolled_back")
 OUTCOMES = ("promote", "pin", "inconclusive", "rollback", "rollback_failed")
@@ -186,7 +189,8 @@ class SidecarMetrics:
         for reason in ("connections", "timeout"):  # zeros from the start: a dashboard shows no gap
             self.client_refused.labels(reason)
         self.mirror_skipped = LoopCounter(
-            "tunegate_mirror_skipped", "Sampled requests not mirrored for their semantics (reason: sequence, decoupled).",
+            "tunegate_mirror_skipped",
+            f"Sampled requests that give the canary no evidence (reason: {', '.join(SKIP_REASONS)}).",
             ["model", "reason"], registry=registry,
         )  # fmt: skip
         self.mirror_protocol = LoopCounter(

@@ -92,7 +92,7 @@ class Comparison:
     passed: bool
     outputs: dict[str, bool]  # output name -> within tolerance
     reasons: tuple[str, ...]
-    reference_ok: bool = True  # False: the primary's own response could not be decoded (nothing judged)
+    reference_ok: bool = True  # False: the primary's own answer is unusable (`reference`; nothing judged)
 
 
 # A JSON header that starts with only simple string members (no escapes) before "outputs", as Triton
@@ -146,22 +146,47 @@ class Reference:
     arrays: dict[str, Any]
     _spec: ToleranceSpec | None = None
     _passes: bool = False
+    _judged: ToleranceSpec | None = None
+
+    def _for(self, spec: ToleranceSpec) -> None:
+        if self._spec is not spec:
+            self._spec, self._judged = spec, judged_spec(spec, self.arrays)
+            self._passes = self._judged is not None and identical_passes(self._judged, self.arrays)
 
     def passes_identical(self, spec: ToleranceSpec) -> bool:
-        """`identical_passes(spec, arrays)`, computed once per spec."""
-        if self._spec is not spec:
-            self._spec, self._passes = spec, identical_passes(spec, self.arrays)
+        """`identical_passes` of the outputs this answer holds, computed once per spec."""
+        self._for(spec)
         return self._passes
+
+    def judged(self, spec: ToleranceSpec) -> ToleranceSpec | None:
+        """`judged_spec(spec, arrays)`, computed once per spec."""
+        self._for(spec)
+        return self._judged
+
+
+def judged_spec(spec: ToleranceSpec, arrays: Mapping[str, Any]) -> ToleranceSpec | None:
+    """The tolerances a comparison with this primary answer judges: those of the outputs it holds. A client that
+    asks for some of a model's outputs gets those alone (Triton answers every output it is asked for, or an
+    error), and the candidate's copy of the same request is judged on the same ones; an output the client did
+    not ask for is no failure of either. None: the answer holds no output the spec has a tolerance for."""
+    held = tuple(t for t in spec.tolerances if t.output == "*" or t.output in arrays)
+    if not any(spec.for_output(name) is not None for name in arrays):
+        return None
+    return spec if len(held) == len(spec.tolerances) else ToleranceSpec(held)
 
 
 def reference(primary: UpstreamResponse) -> Reference | Comparison:
-    """The primary decoded, or the Comparison every comparison against an undecodable primary gives."""
+    """The primary decoded, or the Comparison every comparison against an unusable primary gives: one that
+    cannot be decoded (say an output whose shape needs more bytes than it came with), or that has no output."""
     try:
         plain, hl = payload(primary)
         msg = codec.decode_response(plain, hl)
     except (codec.CodecError, zlib.error) as exc:
         return Comparison(False, {}, (f"primary response not decodable: {exc}",), reference_ok=False)
-    return Reference(plain, hl, msg.header, msg.arrays())
+    arrays = msg.arrays()
+    if not arrays:
+        return Comparison(False, {}, ("primary response has no output",), reference_ok=False)
+    return Reference(plain, hl, msg.header, arrays)
 
 
 def compare_responses(primary: UpstreamResponse | Reference | Comparison, other: UpstreamResponse,
@@ -177,6 +202,11 @@ def compare_responses(primary: UpstreamResponse | Reference | Comparison, other:
     ref = reference(primary) if isinstance(primary, UpstreamResponse) else primary
     if isinstance(ref, Comparison):
         return ref
+    judged = ref.judged(spec)
+    if judged is None:  # nothing in the primary's answer to judge the candidate's on
+        what = ", ".join(repr(n) for n in ref.arrays)
+        return Comparison(False, {}, (f"primary response holds no output the tolerance names (only {what})",),
+                          reference_ok=False)  # fmt: skip
     if (
         fast
         and _identical_outputs(ref.header, ref.plain, ref.header_length, other)
@@ -187,6 +217,6 @@ def compare_responses(primary: UpstreamResponse | Reference | Comparison, other:
         cand = codec.decode_response(*payload(other)).arrays()
     except (codec.CodecError, zlib.error) as exc:
         return Comparison(False, {n: False for n in ref.arrays}, (f"response not decodable: {exc}",))
-    verdict = compare(ref.arrays, cand, spec)
+    verdict = compare(ref.arrays, cand, judged)
     outputs = {name: v.passed for name, v in verdict.outputs.items()}
     return Comparison(verdict.passed, outputs, tuple(f.reason for f in verdict.failures))

@@ -31,7 +31,9 @@ class MirrorJob:
     The candidate's copy goes out (with `latency_pairing="shadow"`, a baseline replay goes with it: one after
     the other, a coin choosing which leads). Comparisons of small responses run inline, larger ones in the
     executor. A canary decided meanwhile (slots closed) takes nothing more. Whatever happens, the slot is
-    released once: an exception in a step is logged and ends the job, it never leaks the slot or reaches the client.
+    released once: an exception in a step is logged and ends the job, it never leaks the slot or reaches the client;
+    a request that gave no evidence by then is counted as skipped (`internal`), as is one whose primary answer
+    the comparison cannot use (`primary_unusable`, sidecar.mirror.compare_responses).
     """
 
     __slots__ = (
@@ -42,6 +44,7 @@ class MirrorJob:
         "cand",
         "cand_passed",
         "cls",
+        "counted",
         "done",
         "headers",
         "mgr",
@@ -63,6 +66,8 @@ class MirrorJob:
         self.ref: Reference | Comparison | None = None  # the primary, decoded once
         self.waiting = 0
         self.done = False
+        # this request is accounted for: the candidate's evidence taken, the request skipped, or Triton's fault
+        self.counted = False
         self.cls = request_class(body, headers)
         self.cand_passed: bool | None = None  # the candidate's verdict, for the paired (discordant) counts
 
@@ -139,6 +144,7 @@ class MirrorJob:
             return
         cand, ev = self.cand, c.evidence
         if not isinstance(cand, tuple):
+            self.counted = True
             if cand is None or not cand.is_candidate_evidence:
                 self._finish()  # Triton's fault, not the candidate's: nothing is counted (the canary pauses)
                 return
@@ -166,10 +172,17 @@ class MirrorJob:
             return
         c, ev = self.canary, self.canary.evidence
         if not cmp.reference_ok:
+            # the client's answer (200) is nothing to compare with: skipped, with its reason; the copies go unused
+            self.counted = True
+            self.mgr.skipped(c, "primary_unusable")
+            if ev.skipped["primary_unusable"] == 1:
+                LOG.warning("canary %s of %s: a primary answer the comparison cannot use (%s); such requests are "
+                            "counted as skipped (primary_unusable)", c.id, c.model, "; ".join(cmp.reasons))  # fmt: skip
             self._finish()
             return
         assert isinstance(self.cand, tuple)
         ev.sent += 1
+        self.counted = True
         ev.add_comparison(cmp.passed, self.cls)
         ev.protocols[self.protocol] = ev.protocols.get(self.protocol, 0) + 1
         self.mgr.metrics.inc(self.mgr.metrics.mirror_protocol, c.model, self.protocol)
@@ -273,6 +286,9 @@ class MirrorJob:
             fn(*args)
         except Exception:  # a bug ends this job (and frees its slot); it never reaches the client path
             LOG.exception("mirror step failed for %s", self.canary.model)
+            if not self.counted and not self.done and not self.canary.slots.closed:
+                self.counted = True
+                self.mgr.skipped(self.canary, "internal")  # sampled, and no evidence taken: said why
             self._finish()
 
     def _closed(self) -> bool:

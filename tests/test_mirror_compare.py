@@ -115,6 +115,51 @@ def test_json_numbers_of_another_type_are_not_identical() -> None:
     assert not cmp.passed and "not decodable" in cmp.reasons[0]
 
 
+# As Triton 2.51 answers for a python-backend model that hands the stub a numpy 2 array: the output's shape, and
+# no data (binary outputs requested; JSON ones get a 500).
+NO_DATA = (
+    b'{"model_name":"m","model_version":"1","outputs":[{"name":"y","datatype":"FP32","shape":[2,4],'
+    b'"parameters":{"binary_data_size":0}}]}'
+)
+
+
+@pytest.mark.parametrize(
+    ("primary", "why"),
+    [
+        (UpstreamResponse(200, b"OK", [(b"Content-Type", b"application/json")], NO_DATA), "not decodable"),
+        (answer({}, binary=False), "has no output"),
+        (answer({"k": np.arange(3, dtype=np.int32)}, binary=True), "holds no output the tolerance names"),
+    ],
+    ids=["no-data", "no-output", "lacks-y"],
+)
+def test_a_primary_answer_that_cannot_be_compared_with_judges_nothing(
+    primary: UpstreamResponse, why: str
+) -> None:
+    """Whatever the candidate answers, nothing is judged: no pass on nothing, no failure blamed on the candidate."""
+    spec = ToleranceSpec.from_dict({"y": {"metric": "linf", "threshold": 1e-3}})
+    for cand in (answer({"y": np.ones((2, 4), dtype=np.float32)}, binary=True, version="2"), primary):
+        cmp = both(primary, cand, spec)
+        assert not cmp.reference_ok and not cmp.passed and cmp.outputs == {}, cmp
+        assert why in cmp.reasons[0], cmp.reasons
+
+
+def test_a_client_that_asks_for_some_outputs_is_judged_on_those() -> None:
+    """A client that asks for one of two outputs gets that one alone, from both versions: the comparison judges
+    it and does not hold the output nobody asked for against the candidate (or count a pass on nothing)."""
+    spec = ToleranceSpec.from_dict({"y": {"metric": "linf", "threshold": 1e-3},
+                                    "k": {"metric": "linf", "threshold": 0.0}})  # fmt: skip
+    k = np.arange(6, dtype=np.int32).reshape(2, 3)
+    primary = answer({"k": k}, binary=True)
+    for fast in (True, False):
+        same = compare_responses(primary, answer({"k": k}, binary=True, version="2"), spec, fast=fast)
+        assert same.reference_ok and same.passed and same.outputs == {"k": True}, same
+        other = compare_responses(primary, answer({"k": k + 1}, binary=True, version="2"), spec, fast=fast)
+        assert other.reference_ok and not other.passed and other.outputs == {"k": False}, other
+        none = compare_responses(primary, answer({"y": np.ones((2, 4), np.float32)}, binary=True, version="2"),
+                                 spec, fast=fast)  # fmt: skip
+        assert none.reference_ok and not none.passed, none  # the candidate lacks the output asked for
+
+
 def test_identical_passes_declines_what_it_cannot_be_sure_of() -> None:
     y = {"y": np.ones((2, 4), dtype=np.float32)}
     assert identical_passes(spec_for("linf", 0.0), y)

@@ -1,4 +1,5 @@
-"""Memory per version in the canary's evidence, and mirroring that keeps request semantics.
+"""Memory per version in the canary's evidence, mirroring that keeps request semantics, and the sampled requests
+that give no evidence (each counted as skipped, with its reason).
 
 Pure checks first (the judge's memory check, the config parse, the per-request sequence check); then a real
 Triton (python backend, CPU) with the production sidecar (`sidecar.app.start`) in the test's event loop.
@@ -17,7 +18,10 @@ import aiohttp
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
+from tritonclient.grpc import InferInput
+from tritonclient.grpc import aio as grpcaio
 
+from sidecar import mirror_job
 from sidecar.app import RunningSidecar, start
 from sidecar.config import CanaryParams, ConfigError, SidecarConfig
 from sidecar.control import shadow_name
@@ -163,7 +167,7 @@ class TritonPythonModel:
         return out
 '''
 IO = 'input [ { name: "x" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]\noutput [ { name: "y" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]\n'
-MODELS = ("memsame", "memhungry", "seqsum", "seqparams")
+MODELS = ("memsame", "memhungry", "seqsum", "seqparams", "noout", "mirrorbug")
 
 
 def _seq_model(repo: Path, name: str) -> None:
@@ -183,6 +187,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     add_model(repo, "memsame", {2: {}})
     add_model(repo, "memhungry", {2: {"alloc_mb": 200}})
     add_model(repo, "seqparams", {2: {}})
+    add_model(repo, "noout", {2: {}}, baseline={"no_output": True})
+    add_model(repo, "mirrorbug", {2: {}})
     _seq_model(repo, "seqsum")
     return repo
 
@@ -359,3 +365,69 @@ async def test_requests_with_sequence_parameters_are_not_mirrored_the_others_are
     assert sidecar.metric("tunegate_mirror_sampled_total", model="seqparams", role="candidate") == 10
     assert await _shadow_inferences(client, triton, "seqparams") == 10
     assert st["canary"]["semantics"] == {"sequence": False, "decoupled": False, "backend": "python"}
+
+
+def _skipped(st: Any) -> int:
+    return sum(st["canary"]["evidence"]["skipped"].values())
+
+
+@pytest.mark.triton
+async def test_primary_answers_the_comparison_cannot_use_are_counted_as_skipped(
+    triton: EmbeddedTriton, repo: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    # The live version answers 200 without its output, as a python-backend model whose stub misreads its numpy
+    # arrays answers with an output that has no data: nothing to compare the candidate's answer with. Over HTTP
+    # and the gRPC front alike, each such sampled request is counted as skipped, none as a comparison.
+    registry = CollectorRegistry()
+    cfg = SidecarConfig(upstream=triton.http_url, upstream_grpc=triton.grpc_address, grpc_listen=("127.0.0.1", 0),
+                        state_dir=tmp_path / "state", repository=repo, listen_port=0, admin_token=TOKEN,
+                        judge_interval_s=0.2, canary=CanaryParams())  # fmt: skip
+    running = await start(cfg, registry)
+    sc = Sidecar(f"http://127.0.0.1:{running.port}", registry)
+    try:
+        await start_canary(client, sc, "noout", latency_pairing="primary", aa_rate=0.0, max_in_flight=32,
+                           deadline_s=120)  # fmt: skip
+        rng = np.random.default_rng(2)
+        for _ in range(10):
+            x = rng.standard_normal((2, 4)).astype(np.float32)
+            code, out = await _infer(client, sc.url, "noout", x, None)
+            assert code == 200 and out["outputs"] == [], out
+        await asyncio.sleep(0.2)  # the compiled gRPC front has the routing table (sent every 50 ms)
+        via = grpcaio.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
+        try:
+            for _ in range(10):
+                inp = InferInput("x", [2, 4], "FP32")
+                inp.set_data_from_numpy(rng.standard_normal((2, 4)).astype(np.float32))
+                assert not (await via.infer("noout", [inp])).get_response().outputs
+        finally:
+            await via.close()
+        st = await wait_for(client, sc, "noout", lambda s: _skipped(s) >= 20, timeout_s=10)
+        ev = st["canary"]["evidence"]
+        assert ev["skipped"] == {"primary_unusable": 20} and ev["sent"] == ev["compared"] == 0, ev
+        assert sc.metric("tunegate_mirror_skipped_total", model="noout", reason="primary_unusable") == 20
+        assert sc.metric("tunegate_mirror_sampled_total", model="noout", role="candidate") == 20
+    finally:
+        await running.close()
+
+
+@pytest.mark.triton
+async def test_a_mirror_that_fails_in_the_sidecar_is_counted_as_skipped(
+    sidecar: Sidecar, client: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_args: object, **_kw: object) -> None:
+        raise RuntimeError("a fault in the comparison")
+
+    monkeypatch.setattr(mirror_job, "compare_responses", broken)
+    await start_canary(client, sidecar, "mirrorbug", latency_pairing="primary", aa_rate=0.0, max_in_flight=32,
+                       deadline_s=120)  # fmt: skip
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        code, out = await _infer(
+            client, sidecar.url, "mirrorbug", rng.standard_normal((2, 4)).astype(np.float32), None
+        )
+        assert code == 200, out
+    st = await wait_for(client, sidecar, "mirrorbug", lambda s: _skipped(s) >= 10, timeout_s=10)
+    ev = st["canary"]["evidence"]
+    assert ev["skipped"] == {"internal": 10} and ev["sent"] == 0, ev
+    assert sidecar.metric("tunegate_mirror_skipped_total", model="mirrorbug", reason="internal") == 10
+    assert st["canary"]["in_flight"] == 0  # every job ended and gave its slot back

@@ -189,10 +189,12 @@ PANELS: tuple[Panel, ...] = (
         (Target(f"sum by (model, protocol) (rate(tunegate_mirror_compared_by_protocol_total{{{M}}}[{RI}]))",
                 "{{model}} {{protocol}}"),
          Target(f"sum by (model, reason) (rate(tunegate_mirror_skipped_total{{{M}}}[{RI}]))",
-                "not mirrored {{model}} ({{reason}})")),
+                "skipped {{model}} ({{reason}})")),
         unit="reqps",
         description="Candidate comparisons by the protocol the mirrored client request came in (HTTP or gRPC): "
-                    "one canary takes both. Not mirrored: sequences, decoupled models, shared-memory tensors.",
+                    "one canary takes both. Not mirrored or not compared, by reason: sequences, decoupled models, "
+                    "shared-memory tensors, requests HTTP cannot carry, primary answers the comparison cannot use "
+                    "(primary_unusable), faults of the mirror itself (internal).",
     ),
 )  # fmt: skip
 

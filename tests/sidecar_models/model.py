@@ -3,8 +3,9 @@
 behaviour.json beside this file: {"noise": 0.0, "scale": 2.0, "delay_ms": 0, "work": 0, "fail": false,
 "nan": false, "load_s": 0, "unload_s": 0} (the last two: seconds that initialize() and finalize() take, as a big engine's would).
 "work_rows": {"16": 300000} sets the work for requests of that many rows (a shape slower than the others).
-"alloc_mb": 0 makes an instance hold that many MiB from load on. A version without behaviour.json fails to load
-(used to make a promotion fail).
+"alloc_mb": 0 makes an instance hold that many MiB from load on. "no_output": true answers 200 without an output (an
+answer the canary cannot compare with). A version without behaviour.json fails to load (used to make a promotion
+fail).
 """
 
 import json
@@ -29,6 +30,7 @@ class TritonPythonModel:
         self.work_rows = {int(k): int(v) for k, v in b.get("work_rows", {}).items()}
         self.fail = bool(b.get("fail", False))
         self.nan = bool(b.get("nan", False))
+        self.no_output = bool(b.get("no_output", False))
         self.rng = np.random.default_rng(0)
         self.unload_s = float(b.get("unload_s", 0))
         # "alloc_mb": memory the instance holds from load on (written, so it is resident), as a bigger model's would
@@ -50,6 +52,9 @@ class TritonPythonModel:
                 responses.append(
                     pb_utils.InferenceResponse(error=pb_utils.TritonError("candidate is broken"))
                 )
+                continue
+            if self.no_output:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[]))
                 continue
             y = (x * self.scale).astype(np.float32)
             if self.noise:
