@@ -91,6 +91,9 @@ class Scenario:
     capacity_noise: float = 0.0
     capacity_out: float = 0.0
     capacity_out_factor: float = 1.0
+    # The neighbour slows the same set's candidate process in latency too (its pairs 1/capacity_out_factor slower),
+    # as when its compute dominates a request's time.
+    capacity_out_latency: bool = False
     rate: float = 20.0  # mirrored requests per second (the judge looks once a second)
     deadline_s: float = DEFAULTS.deadline_s  # the canary's default deadline
 
@@ -194,6 +197,18 @@ SCENARIOS = (
         **{**CAPACITY_NEIGHBOUR, "capacity_out": 0.1},
     ),
     Scenario(
+        "identical-neighbour-both-10",
+        "good",
+        "identical; a busy neighbour on 10% of sets slows that set's capacity (0.73) and latency (1.37x) alike",
+        **{**CAPACITY_NEIGHBOUR, "capacity_out": 0.1, "capacity_out_latency": True},
+    ),
+    Scenario(
+        "identical-neighbour-both",
+        "good",
+        "identical; a busy neighbour on 30% of sets, capacity and latency alike",
+        **{**CAPACITY_NEIGHBOUR, "capacity_out_latency": True},
+    ),
+    Scenario(
         "capacity-0.7",
         "bad",
         "capacity 0.7 of the baseline's (limit 0.8), same latency; 5% sigma",
@@ -261,8 +276,10 @@ def make_stream(sc: Scenario, rng: np.random.Generator) -> Stream:
     capacity = None
     if sc.capacity_ratio is not None:
         capacity = sc.capacity_ratio * np.exp(rng.normal(0.0, sc.capacity_noise, MAX_PLACEMENTS))
-        capacity = np.where(rng.random(MAX_PLACEMENTS) < sc.capacity_out, capacity * sc.capacity_out_factor,
-                            capacity)  # fmt: skip
+        busy = rng.random(MAX_PLACEMENTS) < sc.capacity_out
+        capacity = np.where(busy, capacity * sc.capacity_out_factor, capacity)
+        if sc.capacity_out_latency:
+            placement = np.where(busy, placement / sc.capacity_out_factor, placement)
     candidate = common * ratio * side()
     cls = names[ci]
     # Non-determinism: each execution of the baseline (the primary, its A/A replay) and of a candidate that
