@@ -697,10 +697,12 @@ class _Look:
         verdict: one process's compute time is open to its placement and to a busy neighbour on its cores, which
         held one set of an identical candidate at 0.68-0.78 of the baseline's capacity in real canaries. The pin
         needs the windows of all sets together below the limit and `placements` + 1 sets' own windows below it
-        (MAX_PLACEMENTS at most), more of them than not (CAPACITY_EXTRA_SETS: two sets below on an identical candidate come from
-        neighbours alone at p² where a set meets one with p, three at p³). Sets at or above the limit, at least
-        `placements` and as many as those below, clear it. Until one or the other, the promotion waits and the
-        canary loads another set (`placements_disagree`)."""
+        (MAX_PLACEMENTS at most), more of them than not (CAPACITY_EXTRA_SETS: two sets below on an identical
+        candidate come from neighbours alone at p² where a set meets one with p, three at p³). Sets at or above
+        the limit, at least `placements` and as many as those below, clear it. Until one or the other, the
+        promotion waits and the canary loads another set (`placements_disagree`). Once the last set it loads
+        (MAX_PLACEMENTS) is measured, the sets measured decide by majority, a tie clearing; where fewer than
+        `placements` were (windows too short to hold MIN_INFERENCES), the newest decides alone."""
         ev, limit = self.ev, self.params.min_throughput_ratio
         # Each set's window under its own index; with one set asked for, the newest window alone decides (latency's
         # pairs are not split either).
@@ -715,14 +717,28 @@ class _Look:
         above = len(judged) - below
         clear = max(1, self.params.placements)
         need = min(clear + CAPACITY_EXTRA_SETS, MAX_PLACEMENTS) if clear > 1 else 1
-        if ratio is None or not below or (above >= clear and above >= below):
-            return
-        if ratio < limit and below >= need and below > above:
-            held = f" on {below} of {len(judged)} sets of instances" if clear > 1 else ""
+
+        def pin(held: str) -> None:
             self.pin.append(f"candidate sustains less throughput: {fig['candidate_capacity_rps']:.1f} inferences/s "
                             f"against the baseline's {fig['baseline_capacity_rps']:.1f} (ratio {ratio:.2f} < allowed "
                             f"{limit:.2f}{held}; Triton's compute time over {fig['candidate_inferences']} "
                             "inferences)")  # fmt: skip
+
+        newest = per_set.get(str(ev.placement))
+        if clear > 1 and ev.placement + 1 >= MAX_PLACEMENTS and newest is not None:
+            # The last set the canary loads, measured: no other comes. The sets measured decide by majority (a
+            # tie clears), or, where fewer than `placements` were (their windows too short), the newest alone.
+            if len(judged) >= clear:
+                if ratio is not None and ratio < limit and below > above:
+                    pin(f" on {below} of {len(judged)} sets of instances")
+            elif newest < limit:
+                ratio = newest
+                pin(f" on the newest set of instances, the only one of {ev.placement + 1} measured")
+            return
+        if ratio is None or not below or (above >= clear and above >= below):
+            return
+        if ratio < limit and below >= need and below > above:
+            pin(f" on {below} of {len(judged)} sets of instances" if clear > 1 else "")
             return
         # Another set only once the newest one's own capacity is known: the canary may load one before that
         # (its latency pairs come sooner than Triton's two readings), and the newest set would go unmeasured.

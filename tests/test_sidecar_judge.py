@@ -305,6 +305,16 @@ def test_a_capacity_below_the_limit_on_one_set_of_instances_alone_is_not_a_pin()
     four = [(500, 1.0), (300, 1.0), (500, 1.0), (500, 1.0)]
     assert look(two, [0.7, 1.0, 0.7, 0.7], four).outcome == PIN
     assert look(two, [0.7, 1.0, 0.7, 1.0], four).outcome == PROMOTE
+    # The last set loaded (MAX_PLACEMENTS), measured: the majority decides, a tie clears, whatever `placements`
+    # asks for (with three or four, more sets would be needed than a canary loads).
+    for placements in (3, 4):
+        more = dataclasses.replace(PARAMS, placements=placements)
+        assert look(more, [0.7, 0.72, 1.0, 0.69], four).outcome == PIN
+        assert look(more, [0.7, 1.0, 1.0, 0.69], four).outcome == PROMOTE
+    # Windows too short to be read on the earlier sets (small placement_pairs): the newest decides alone.
+    short = look(two, [None, None, None, 0.7], four)
+    assert short.outcome == PIN and "the only one of 4 measured" in short.reasons[0], short.reasons
+    assert look(two, [None, None, None, 1.0], four).outcome == PROMOTE
 
 
 def test_the_canary_status_shows_the_capacity_the_judge_weighs() -> None:
