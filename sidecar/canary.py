@@ -220,6 +220,22 @@ class CanaryManager:
         job = MirrorJob(self, canary, body, fwd, primary, primary_s, request_id, aa, protocol)
         job._step(job.start)
 
+    async def _check_tolerance_names(self, model: str, live: int, spec: ToleranceSpec) -> None:
+        """A tolerance that names an output the live version does not have is refused (400): the comparison
+        judges the outputs a client's answer holds, and a misspelt name would leave its output unjudged. Where
+        Triton's metadata cannot be read, nothing is refused (the start goes on; logged)."""
+        try:
+            meta = await self.control.get_json(f"/v2/models/{model}/versions/{live}")
+        except ControlError as exc:
+            LOG.warning("%s v%d: outputs not read (%s); the tolerance's output names are not checked", model, live,
+                        exc)  # fmt: skip
+            return
+        outputs = [o.get("name") for o in (meta or {}).get("outputs") or [] if isinstance(o, dict)]
+        unknown = [t.output for t in spec.tolerances if t.output != "*" and t.output not in outputs]
+        if outputs and unknown:
+            raise CanaryError(f"the tolerance names outputs {model} v{live} does not have: {', '.join(unknown)} "
+                              f"(its outputs: {', '.join(map(str, outputs))})")  # fmt: skip
+
     def skipped(self, canary: Canary, reason: str) -> None:
         """A sampled request of a running canary that cannot be mirrored (sidecar.metrics.SKIP_REASONS)."""
         self.metrics.inc(self.metrics.mirror_skipped, canary.model, reason)
@@ -518,6 +534,7 @@ class CanaryManager:
                 raise CanaryError(str(exc)) from exc
             except ControlError as exc:
                 raise CanaryError(str(exc), 404) from exc
+            await self._check_tolerance_names(model, live, spec)
             try:
                 await self.control.start_shadow(
                     model, candidate, live if params.latency_pairing == "shadow" else None

@@ -172,9 +172,15 @@ class MirrorJob:
             return
         c, ev = self.canary, self.canary.evidence
         if not cmp.reference_ok:
-            # the client's answer (200) is nothing to compare with: skipped, with its reason; the copies go unused
+            # The client's answer (200) is nothing to compare with: outputs skipped, with the reason. The copies'
+            # outcomes still count toward the error rates, as a failed copy's do without a look at the primary:
+            # the candidate answered, and so did the baseline (or not).
             self.counted = True
             self.mgr.skipped(c, "primary_unusable")
+            ev.sent += 1
+            self.cand_passed = True  # answered: the paired error counts take it as the candidate's success
+            self._count_baseline_answer(self.base)
+            self.mgr._dirty = True
             if ev.skipped["primary_unusable"] == 1:
                 LOG.warning("canary %s of %s: a primary answer the comparison cannot use (%s); such requests are "
                             "counted as skipped (primary_unusable)", c.id, c.model, "; ".join(cmp.reasons))  # fmt: skip

@@ -374,6 +374,10 @@ async def test_wrong_candidate_is_pinned_with_exemplars(sidecar: Sidecar, client
                                                         triton: EmbeddedTriton, repo: Path) -> None:  # fmt: skip
     code, st = await start_canary(client, sidecar, "wrong", tolerance=None)
     assert code == 400 and "no release.json" in st["error"]  # no release record: a tolerance must be given
+    # A tolerance naming an output the model does not have is refused: it would leave that output unjudged.
+    code, st = await start_canary(client, sidecar, "wrong", tolerance={"y": {"metric": "linf", "threshold": 1e-3},
+                                                                       "probs": {"metric": "linf", "threshold": 1}})  # fmt: skip
+    assert code == 400 and "outputs wrong v1 does not have: probs (its outputs: y)" in st["error"], st
     code, st = await start_canary(
         client, sidecar, "wrong", tolerance={"y": {"metric": "linf", "threshold": 1e-3}}
     )

@@ -403,7 +403,9 @@ async def test_primary_answers_the_comparison_cannot_use_are_counted_as_skipped(
             await via.close()
         st = await wait_for(client, sc, "noout", lambda s: _skipped(s) >= 20, timeout_s=10)
         ev = st["canary"]["evidence"]
-        assert ev["skipped"] == {"primary_unusable": 20} and ev["sent"] == ev["compared"] == 0, ev
+        # Not compared; the candidate answered each (no error), which the error rate counts.
+        assert ev["skipped"] == {"primary_unusable": 20} and ev["compared"] == 0, ev
+        assert ev["sent"] == 20 and ev["errors"] == 0, ev
         assert sc.metric("tunegate_mirror_skipped_total", model="noout", reason="primary_unusable") == 20
         assert sc.metric("tunegate_mirror_sampled_total", model="noout", role="candidate") == 20
     finally:
