@@ -742,7 +742,7 @@ class _Look:
             return
         # Another set only once the newest one's own capacity is known: the canary may load one before that
         # (its latency pairs come sooner than Triton's two readings), and the newest set would go unmeasured.
-        fig["placements_disagree"] = per_set.get(str(ev.placement)) is not None
+        fig["placements_disagree"] = newest is not None
         self.missing.append(f"capacity below {limit:.2f} on {below} of {len(judged)} sets of instances (ratio "
                             f"{ratio:.2f} over all): waiting for {need} below or {clear} at or above it")  # fmt: skip
 

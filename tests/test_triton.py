@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -106,3 +107,6 @@ def test_the_stub_finds_packages_in_this_processs_order(
     paths = server_env(TritonDistribution.locate(), ["/project"])["PYTHONPATH"].split(":")
     assert paths[:3] == ["/project", str(ours), str(tmp_path / "second")], paths
     assert all(paths.index(str(ours)) < paths.index(s) for s in site.getsitepackages()), paths
+    monkeypatch.setenv("PYTHONPATH", "relative/dir")
+    paths = server_env(TritonDistribution.locate())["PYTHONPATH"].split(":")
+    assert paths[0] == os.path.abspath("relative/dir"), paths  # the stub's working directory is another

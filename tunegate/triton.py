@@ -117,7 +117,8 @@ def server_env(dist: TritonDistribution, extra_pythonpath: Sequence[str] = ()) -
     # The stub is a separate Python process: give it this environment's packages, in this process's order (its
     # PYTHONPATH before its site-packages). Behind the site-packages, a PYTHONPATH that brings numpy<2 beside a
     # system numpy 2 lost to it in the stub alone, and the python backend's outputs came back empty.
-    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # Absolute: the stub runs in another working directory, where a relative entry would name another folder.
+    inherited = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     py_paths = [*extra_pythonpath, *inherited, *site.getsitepackages()]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(py_paths))
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
